@@ -1,0 +1,64 @@
+"""Attention over paged KV: decode (one query token per sequence) and a prefill chunk.
+
+The reference twins gather a sequence's pages into contiguous per-head context and run
+batched matmuls; query heads are grouped under their KV head (GQA) so nothing is repeated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _gather_pages(cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    # cache: [kv_heads, pages, page_size, dim]; page_ids: [..., max_pages]
+    # -> [kv_heads, ..., max_pages * page_size, dim]
+    heads, _, page_size, dim = cache.shape
+    flat = cache.index_select(1, page_ids.reshape(-1))
+    return flat.view(heads, *page_ids.shape[:-1], page_ids.shape[-1] * page_size, dim)
+
+
+def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               page_table: torch.Tensor, mask: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    # q: [batch, heads, dim]; page_table: [batch, max_pages]; mask: [batch, max_pages*page_size]
+    batch, num_heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    group = num_heads // kv_heads
+    k = _gather_pages(k_cache, page_table).to(q.dtype)  # [kv_heads, batch, L, dim]
+    v = _gather_pages(v_cache, page_table).to(q.dtype)
+    qg = q.view(batch, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, batch, group, dim]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [kv_heads, batch, group, L]
+    scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)  # [kv_heads, batch, group, dim]
+    return out.transpose(0, 1).reshape(batch, num_heads * dim)
+
+
+def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                page_ids: torch.Tensor, context_len: int,
+                                mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    # q: [chunk, heads, dim] for one sequence; keys are its first context_len cached tokens.
+    # mask: [chunk, context_len] bool (True = attend) or None for plain causal from position 0.
+    chunk, num_heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    k = _gather_pages(k_cache, page_ids)[:, :context_len].to(q.dtype)  # [kv_heads, L, dim]
+    v = _gather_pages(v_cache, page_ids)[:, :context_len].to(q.dtype)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qh, k.unsqueeze(0), v.unsqueeze(0),
+        attn_mask=None if mask is None else mask[None, None],
+        is_causal=mask is None, scale=scale, enable_gqa=kv_heads != num_heads,
+    )
+    return out[0].transpose(0, 1).reshape(chunk, num_heads * dim)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, mask: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    return ref_paged_decode_attention(q, k_cache, v_cache, page_table, mask, scale)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            page_ids: torch.Tensor, context_len: int, mask: torch.Tensor | None,
+                            scale: float) -> torch.Tensor:
+    return ref_paged_prefill_attention(q, k_cache, v_cache, page_ids, context_len, mask, scale)

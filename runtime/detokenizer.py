@@ -1,0 +1,61 @@
+"""Incremental detokenization and stop strings.
+
+Text is released only when it is complete: never half a UTF-8 character (the byte-level BPE
+decoder yields U+FFFD for a partial one) and never the first characters of what may become a
+stop string. A stop string is cut from the output (unless asked to keep it).
+"""
+
+from __future__ import annotations
+
+from runtime.tokenizer import Tokenizer
+
+# Tokens of context decoded before the new ones, so that merges across the boundary are right.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.tokens = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.stop = stop
+        self.include_stop = include_stop
+        self.skip_special = skip_special_tokens
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # all decoded output text so far (stop string already cut)
+        self.emitted = 0  # characters of `text` already released
+        self.stopped_on: str | None = None
+
+    def add_token(self, token_id: int) -> None:
+        """Decode one more token; sets `stopped_on` when a stop string completes."""
+        self.tokens.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.tokens[self.prefix_offset : self.read_offset], self.skip_special)
+        full = decode(self.tokens[self.prefix_offset :], self.skip_special)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return  # incomplete character: wait for the next token
+        new_text = full[len(prefix) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.tokens)
+        start = max(0, len(self.text) - self.holdback)
+        self.text += new_text
+        self._check_stop(start)
+
+    def _check_stop(self, search_from: int) -> None:
+        for s in self.stop:
+            idx = self.text.find(s, search_from)
+            if idx != -1:
+                self.stopped_on = s
+                self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+                return
+
+    def flush(self, finished: bool) -> str:
+        """Release the text that is safe to show; everything once finished."""
+        end = len(self.text) if finished or self.stopped_on else len(self.text) - self.holdback
+        if end <= self.emitted:
+            return ""
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out

@@ -1,0 +1,210 @@
+"""The engine: admits requests, runs scheduler -> model runner -> sampler steps, emits outputs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from runtime.config import EngineConfig, ModelConfig
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.errors import ContextLengthExceeded, InvalidArgument, TesseraError
+from runtime.kv.cache import KVCache, KVCacheSpec
+from runtime.kv.pages import PagePool
+from runtime.loader import Checkpoint, open_checkpoint
+from runtime.model_runner import ModelRunner
+from runtime.models import model_class
+from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.sampler import Sampler
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.sequence import Sequence
+from runtime.tokenizer import Tokenizer
+
+log = logging.getLogger("tessera.engine")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_pages: int
+    num_free_pages: int
+    page_size: int
+    kv_capacity_tokens: int
+    kv_bytes_per_token: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+        self.config = config
+        self.checkpoint = checkpoint
+        self.model_config: ModelConfig = checkpoint.config
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu" and os.environ.get("TESSERA_NUM_THREADS"):
+            torch.set_num_threads(int(os.environ["TESSERA_NUM_THREADS"]))
+        self.model = self._build_model()
+        spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.dtype)
+        num_pages = spec.pages_in(config.kv_cache_bytes)
+        if num_pages < 1:
+            raise InvalidArgument(f"kv_cache_bytes={config.kv_cache_bytes} holds no page of "
+                                  f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
+        self.kv_cache = KVCache(spec, num_pages, self.device)
+        self.pool = PagePool(num_pages, config.page_size)
+        self.max_model_len = min(self.model_config.max_position_embeddings,
+                                 num_pages * config.page_size,
+                                 config.max_model_len or 1 << 62)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.pool)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Sequence] = {}
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        log.info("engine ready: %s, %d pages of %d tokens (%d tokens of KV, %d bytes each)",
+                 checkpoint.revision, num_pages, config.page_size, self.kv_capacity_tokens,
+                 spec.bytes_per_token)
+
+    @classmethod
+    def from_path(cls, model: str | None, config: EngineConfig) -> LLMEngine:
+        return cls(open_checkpoint(model), config)
+
+    def _build_model(self) -> torch.nn.Module:
+        with torch.device("meta"):
+            model = model_class(self.model_config)(self.model_config)
+        model.load_weights(self.checkpoint.tensors(), self.dtype)
+        return model.to(self.device).eval()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.pool.num_pages * self.pool.page_size
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.pool.num_pages, self.pool.num_free_pages, self.pool.page_size,
+                           self.kv_capacity_tokens, self.kv_cache.spec.bytes_per_token,
+                           len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.scheduler.num_preemptions)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidArgument("prompt is empty", field="prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+                   for t in ids):
+                raise InvalidArgument(f"prompt token ids must be integers in [0, {vocab})",
+                                      field="prompt")
+            return None, ids
+        raise InvalidArgument(f"prompt must be a string or a list of token ids, "
+                              f"got {type(prompt).__name__}", field="prompt")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    tenant: str = "default") -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgument("params must be a SamplingParams", field="params")
+        if request_id in self.requests:
+            raise InvalidArgument(f"request id {request_id!r} is already in flight",
+                                  field="request_id")
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise InvalidArgument("prompt is empty after tokenization", field="prompt")
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthExceeded(
+                f"prompt has {len(ids)} tokens; this model serves at most {self.max_model_len} "
+                f"(prompt and output together)", prompt_tokens=len(ids),
+                max_model_len=self.max_model_len)
+        seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text)
+        seq.extra["detok"] = IncrementalDetokenizer(
+            self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens)
+        if params.seed is not None:
+            seq.extra["generator"] = torch.Generator().manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str,
+                      error: TesseraError | None = None) -> RequestOutput | None:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        seq.error = error
+        self._finish(seq, "abort" if error is None else "error")
+        return self._output(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        try:
+            samplers, logits = self.runner.execute(batch)
+            sampled = self.sampler(
+                logits, [s.seq.params for s in samplers],
+                [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in samplers],
+                [s.seq.extra.get("generator") for s in samplers])
+        except Exception as e:  # a failed step fails its requests, never the engine
+            log.exception("step failed; failing its %d requests", len(batch.scheduled))
+            err = TesseraError(f"internal error during step: {type(e).__name__}")
+            return [o for s in batch.scheduled if (o := self.abort_request(s.seq.request_id, err))]
+        for item in batch.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+        outputs = []
+        for item, token, lp in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
+            seq = item.seq
+            seq.output_token_ids.append(token)
+            if lp is not None:
+                seq.extra.setdefault("logprobs", []).append(lp)
+            self._check_finish(seq, token)
+            outputs.append(self._output(seq, new_tokens=[token]))
+        return outputs
+
+    def _check_finish(self, seq: Sequence, token: int) -> None:
+        detok: IncrementalDetokenizer = seq.extra["detok"]
+        detok.add_token(token)
+        p = seq.params
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            self._finish(seq, "stop")
+        elif token in self.eos_ids and not p.ignore_eos:
+            self._finish(seq, "stop")
+        elif detok.stopped_on is not None:
+            seq.stop_reason = detok.stopped_on
+            self._finish(seq, "stop")
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, new_tokens: list[int] | None = None) -> RequestOutput:
+        detok: IncrementalDetokenizer = seq.extra["detok"]
+        finished = seq.is_finished
+        delta = detok.flush(finished)
+        completion = CompletionOutput(0, detok.text if finished else detok.text[: detok.emitted],
+                                      list(seq.output_token_ids), seq.finish_reason,
+                                      seq.stop_reason, seq.extra.get("logprobs"))
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
+                             finished, seq.num_cached_tokens, seq.error, delta,
+                             list(new_tokens or []))

@@ -1,0 +1,1 @@
+"""KV cache bookkeeping (torch-free page pool) and storage."""

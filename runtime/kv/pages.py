@@ -1,0 +1,97 @@
+"""The page pool: which physical KV pages are free, who holds them, and their generation tags.
+
+Plain Python over ints (no torch): the scheduler and the integrity check ask it questions
+thousands of times a second. A physical page is identified by its id; every time it is handed
+out its `tag` is bumped, so a stale `(page_id, tag)` recorded by a sequence can be told apart
+from the page's current life. `owner` is the tenant (or shared namespace) the page belongs to.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+FREE_OWNER = ""
+
+
+class PageAccountingError(RuntimeError):
+    """A bookkeeping invariant broke (double free, free of a page not held). Always a bug."""
+
+
+@dataclass(frozen=True)
+class PageRef:
+    """What a sequence records when it is given a page."""
+
+    page_id: int
+    tag: int
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages and page_size must be positive ({num_pages}, {page_size})")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.tags = [0] * num_pages
+        self.owners = [FREE_OWNER] * num_pages
+        self.refcounts = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free)
+
+    def allocate(self, owner: str) -> PageRef:
+        if not self._free:
+            raise PageAccountingError("allocate() on an empty pool; call can_allocate() first")
+        page_id = self._free.popleft()
+        if self.refcounts[page_id] != 0:
+            raise PageAccountingError(f"page {page_id} on the free list has holders")
+        self.tags[page_id] += 1
+        self.owners[page_id] = owner
+        self.refcounts[page_id] = 1
+        return PageRef(page_id, self.tags[page_id])
+
+    def share(self, ref: PageRef) -> PageRef:
+        """Add a holder to a live page (prefix-cache hit). The caller records the same tag."""
+        if self.refcounts[ref.page_id] <= 0 or self.tags[ref.page_id] != ref.tag:
+            raise PageAccountingError(f"share() of a page not live at tag {ref.tag}: {ref}")
+        self.refcounts[ref.page_id] += 1
+        return ref
+
+    def release(self, ref: PageRef) -> bool:
+        """Drop one holder; returns True when the page went back to the free list."""
+        page_id = ref.page_id
+        if self.refcounts[page_id] <= 0:
+            raise PageAccountingError(f"release() of free page {page_id} (double free)")
+        if self.tags[page_id] != ref.tag:
+            raise PageAccountingError(
+                f"release() of page {page_id} at tag {ref.tag}, but it is at {self.tags[page_id]}"
+            )
+        self.refcounts[page_id] -= 1
+        if self.refcounts[page_id] == 0:
+            self.owners[page_id] = FREE_OWNER
+            self._free.append(page_id)
+            return True
+        return False
+
+    def is_live(self, ref: PageRef) -> bool:
+        return self.refcounts[ref.page_id] > 0 and self.tags[ref.page_id] == ref.tag
+
+    def check_quiescent(self) -> None:
+        """Raise if any page is still held: call when no request is in flight."""
+        held = [p for p in range(self.num_pages) if self.refcounts[p] != 0]
+        if held or len(self._free) != self.num_pages or len(set(self._free)) != self.num_pages:
+            raise PageAccountingError(
+                f"pool not quiescent: {len(held)} pages held, {len(self._free)} free"
+            )

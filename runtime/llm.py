@@ -1,0 +1,82 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.errors import InvalidArgument
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto",
+                 kv_cache_bytes: int = 1 << 30, page_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, device: str = "cpu", seed: int = 0) -> None:
+        config = EngineConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
+                              device=device, seed=seed)
+        self.engine = LLMEngine.from_path(model, config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.engine.kv_capacity_tokens
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, tenant: str = "default") -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params_list = [params] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise InvalidArgument(f"{len(params_list)} sampling params for "
+                                      f"{len(prompts)} prompts", field="sampling_params")
+        # Validate everything before anything runs: a bad prompt fails the call, not the batch.
+        for i, p in enumerate(prompts):
+            _, ids = self.engine.tokenize_prompt(p)
+            if not ids:
+                raise InvalidArgument(f"prompt {i} is empty", field="prompt")
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        order = {rid: i for i, rid in enumerate(ids)}
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.engine.add_request(rid, prompt, p, tenant=tenant)
+        return self._run(order)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, *,
+             tenant: str = "default") -> list[RequestOutput]:
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.engine.tokenizer.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, tenant=tenant)
+
+    def _run(self, order: dict[str, int]) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        try:
+            while any(r is None for r in results):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+        finally:
+            for rid in order:
+                self.engine.abort_request(rid)
+        return [r for r in results if r is not None]

@@ -1,0 +1,128 @@
+"""GGUF checkpoints (llama.cpp's format): metadata, tokenizer, dequantized tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from runtime.config import ModelConfig
+from runtime.errors import ModelLoadError
+from runtime.loader import Checkpoint
+from runtime.tokenizer import Tokenizer
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+class GGUFCheckpoint(Checkpoint):
+    reader: Any
+
+    @classmethod
+    def open(cls, path: Path) -> GGUFCheckpoint:
+        import gguf
+
+        try:
+            reader = gguf.GGUFReader(str(path))
+            fields = {k: _field_value(f) for k, f in reader.fields.items()}
+        except Exception as e:  # gguf raises ValueError/struct errors/numpy errors on bad bytes
+            raise ModelLoadError(f"{path.name} is not a readable GGUF file: {e}",
+                                 path=path) from e
+        arch = fields.get("general.architecture")
+        if arch != "llama":
+            raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (only llama)",
+                                 field="general.architecture")
+        config = _config_from_fields(fields, reader)
+        ckpt = cls(config, Tokenizer.from_gguf_fields(fields), path,
+                   f"{path.name}:{path.stat().st_size}")
+        ckpt.reader = reader
+        return ckpt
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf import quants
+
+        cfg = self.config
+        for t in self.reader.tensors:
+            name = _hf_name(t.name)
+            try:
+                data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            except Exception as e:
+                raise ModelLoadError(f"cannot dequantize tensor {t.name}: {e}",
+                                     tensor=t.name) from e
+            tensor = torch.from_numpy(data.copy())
+            # llama.cpp stores q/k rows permuted for its interleaved RoPE; undo it.
+            if name.endswith("self_attn.q_proj.weight"):
+                tensor = _unpermute(tensor, cfg.num_attention_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                tensor = _unpermute(tensor, cfg.num_key_value_heads)
+            yield name, tensor
+
+
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    rows = w.shape[0]
+    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    raise ModelLoadError(f"unknown GGUF tensor {gguf_name}", tensor=gguf_name)
+
+
+def _field_value(field: Any) -> Any:
+    value = field.contents()
+    return value
+
+
+def _config_from_fields(fields: dict[str, Any], reader: Any) -> ModelConfig:
+    def need(key: str) -> Any:
+        if key not in fields:
+            raise ModelLoadError(f"GGUF metadata is missing {key}", field=key)
+        return fields[key]
+
+    heads = int(need("llama.attention.head_count"))
+    hidden = int(need("llama.embedding_length"))
+    vocab = fields.get("llama.vocab_size") or len(need("tokenizer.ggml.tokens"))
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    scaling = None
+    if fields.get("llama.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(fields["llama.rope.scaling.factor"])}
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("llama.feed_forward_length")),
+        num_hidden_layers=int(need("llama.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(fields.get("llama.attention.head_count_kv", heads)),
+        head_dim=int(fields.get("llama.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(fields.get("llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(fields.get("llama.context_length", 2048)),
+        tie_word_embeddings=not has_output,
+        rope_scaling=scaling,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )

@@ -1,0 +1,89 @@
+"""Turns a scheduled step into tensors, runs the model over paged KV, returns logits.
+
+Token order in the flat batch: all single-token steps (decodes) first, then each prefill chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.context import AttentionMetadata, ForwardContext, PrefillSlice, forward_context
+from runtime.kv.cache import KVCache
+from runtime.scheduler import ScheduledSequence, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.page_size = kv_cache.spec.page_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSequence], torch.Tensor]:
+        """Run one step. Returns the sequences that sample this step and their logits rows."""
+        decodes = [s for s in batch.scheduled if s.num_tokens == 1]
+        prefills = [s for s in batch.scheduled if s.num_tokens > 1]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        samplers: list[ScheduledSequence] = []
+        ps = self.page_size
+        for item in ordered:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.page_table
+            slots.extend(table[p // ps].page_id * ps + p % ps for p in range(start, end))
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+                samplers.append(item)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decode=len(decodes),
+            decode_page_table=None,
+            decode_mask=None,
+            prefills=[],
+        )
+        if decodes:
+            meta.decode_page_table, meta.decode_mask = self._decode_tables(decodes)
+        offset = len(decodes)
+        for item in prefills:
+            meta.prefills.append(self._prefill_slice(item, offset))
+            offset += item.num_tokens
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        with forward_context(ForwardContext(meta, self.kv_cache)):
+            hidden = self.model(ids_t, pos_t)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return samplers, logits
+
+    def _decode_tables(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        max_pages = max(len(s.seq.page_table) for s in decodes)
+        table = torch.zeros((len(decodes), max_pages), dtype=torch.long)
+        lens = torch.empty(len(decodes), dtype=torch.long)
+        for i, item in enumerate(decodes):
+            ids = [ref.page_id for ref in item.seq.page_table]
+            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            lens[i] = item.seq.num_computed_tokens + 1
+        mask = torch.arange(max_pages * self.page_size).unsqueeze(0) < lens.unsqueeze(1)
+        return table.to(self.device), mask.to(self.device)
+
+    def _prefill_slice(self, item: ScheduledSequence, offset: int) -> PrefillSlice:
+        seq = item.seq
+        start = seq.num_computed_tokens
+        context_len = start + item.num_tokens
+        num_pages = -(-context_len // self.page_size)
+        page_ids = torch.tensor([r.page_id for r in seq.page_table[:num_pages]], dtype=torch.long)
+        mask = None
+        if start > 0:  # attends to earlier chunks: causal with an offset
+            q_pos = torch.arange(start, context_len).unsqueeze(1)
+            mask = torch.arange(context_len).unsqueeze(0) <= q_pos
+            mask = mask.to(self.device)
+        return PrefillSlice(offset, offset + item.num_tokens, page_ids.to(self.device),
+                            context_len, mask)

@@ -1,0 +1,106 @@
+"""Building blocks shared by model families: RMSNorm, rotary embedding, SwiGLU, attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from runtime.config import ModelConfig
+from runtime.context import get_forward_context
+from runtime.errors import ModelLoadError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.eps) * self.weight
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / float(scaling["factor"])).float()
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_mid, mid, scaled).float()
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r}", field="rope_scaling")
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-style (rotate-half) rotary embedding with a cos/sin table grown on demand."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.half = config.head_dim // 2
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
+            size = max(length, self.config.max_position_embeddings)
+            inv_freq = rope_inv_freq(self.config).to(device)
+            freqs = torch.outer(torch.arange(size, device=device, dtype=torch.float32), inv_freq)
+            self._cos, self._sin = freqs.cos(), freqs.sin()
+        return self._cos, self._sin
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        # x: [tokens, heads, head_dim]; positions: [tokens]
+        cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
+        cos = cos_t[positions].unsqueeze(1)
+        sin = sin_t[positions].unsqueeze(1)
+        out = []
+        for x in xs:
+            x1, x2 = x[..., : self.half], x[..., self.half :]
+            c, s = cos.to(x.dtype), sin.to(x.dtype)
+            out.append(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+        return out
+
+
+class PagedAttention(nn.Module):
+    """Reads and writes this layer's paged KV through the step's forward context."""
+
+    def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]
+        ctx = get_forward_context()
+        meta = ctx.attn
+        k_cache, v_cache = ctx.kv_cache.layer(self.layer_index)  # type: ignore[attr-defined]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        parts = []
+        if meta.num_decode:
+            parts.append(paged_decode_attention(q[: meta.num_decode], k_cache, v_cache,
+                                                meta.decode_page_table, meta.decode_mask,
+                                                self.scale))
+        for p in meta.prefills:
+            parts.append(paged_prefill_attention(q[p.start : p.end], k_cache, v_cache,
+                                                 p.page_ids, p.context_len, p.mask, self.scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

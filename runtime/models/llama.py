@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama, SmolLM2, Llama-3 RoPE scaling) over paged KV.
+
+Names mirror Hugging Face; q/k/v and gate/up are fused for fewer, larger matmuls, and
+`load_weights` maps checkpoint names onto the fused parameters through one table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.config import ModelConfig
+from runtime.errors import ModelLoadError
+from runtime.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
+
+# checkpoint suffix -> (our parameter suffix, shard index in the fused tensor)
+STACKED_PARAMS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.rotary = rotary
+        self.attn = PagedAttention(layer_index, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states for every token: [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+        """Assign checkpoint tensors (HF names) to this meta-device module, fusing shards."""
+        state: dict[str, torch.Tensor] = {}
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for name, tensor in tensors:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            target, shard = _map_name(name)
+            if shard is None:
+                state[target] = tensor.to(dtype)
+            else:
+                shards.setdefault(target, {})[shard] = tensor.to(dtype)
+        for target, parts in shards.items():
+            want = 3 if "qkv" in target.rsplit(".", 2)[-2] else 2
+            if sorted(parts) != list(range(want)):
+                raise ModelLoadError(f"checkpoint lacks some of the shards of {target}",
+                                     tensor=target)
+            state[target] = torch.cat([parts[i] for i in range(want)], dim=0)
+        if self.config.tie_word_embeddings or "lm_head.weight" not in state:
+            if "model.embed_tokens.weight" in state:
+                state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        expected = {k: v.shape for k, v in self.state_dict().items()}
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing tensor {missing[0]} "
+                                 f"({len(missing)} missing in all)", tensor=missing[0])
+        for key, tensor in state.items():
+            if key not in expected:
+                raise ModelLoadError(f"checkpoint has unexpected tensor {key}", tensor=key)
+            if tuple(tensor.shape) != tuple(expected[key]):
+                raise ModelLoadError(f"tensor {key} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(expected[key])}", tensor=key)
+        self.load_state_dict(state, assign=True, strict=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def _map_name(name: str) -> tuple[str, int | None]:
+    for suffix, (target, shard) in STACKED_PARAMS.items():
+        if f".{suffix}.weight" in name:
+            return name.replace(f".{suffix}.weight", f".{target}.weight"), shard
+        if f".{suffix}.bias" in name:
+            return name.replace(f".{suffix}.bias", f".{target}.bias"), shard
+    return name, None

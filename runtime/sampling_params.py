@@ -1,0 +1,83 @@
+"""Per-request sampling parameters, validated on construction (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists and a single stop string, as users of vLLM pass them.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> InvalidArgument:
+            value = getattr(self, name)
+            return InvalidArgument(f"{name} {why}, got {value!r}", field=name)
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise bad("max_tokens", "must be an integer")
+        if self.max_tokens <= 0:
+            raise bad("max_tokens", "must be at least 1")
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            raise bad("top_k", "must be -1 (off) or a positive integer")
+        if not _is_finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_finite(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", "must be a non-negative integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or
+                                          not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _is_finite(x: object) -> bool:
+    import math
+
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -1,0 +1,165 @@
+"""Continuous batching with chunked prefill, page-gated admission and preemption by recompute.
+
+Torch-free. Each step gets a token budget: running sequences go first (decodes cost one token,
+unfinished prefills a chunk), oldest first; when a sequence needs a page and none is free, the
+youngest running sequence is preempted (its pages freed, its tokens recomputed later). Waiting
+sequences are admitted, oldest first, only when their first chunk's pages are free and no
+preemption happened this step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.kv.pages import PagePool
+from runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    # Fraction of the pool kept free when admitting, so running decodes rarely preempt.
+    admission_watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if not 0.0 <= self.admission_watermark < 1.0:
+            raise ValueError(f"admission_watermark must be in [0, 1): {self.admission_watermark}")
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # fed this step: token_ids[num_computed : num_computed + num_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces the sequence's next token (its last uncomputed token)."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+        # Oldest first; preemption takes from the young end.
+        self.running.sort(key=lambda s: s.arrival)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve_pages(seq, num_tokens, scheduled_ids, out):
+                break  # seq itself was preempted: everything younger is gone too
+            out.scheduled.append(ScheduledSequence(seq, num_tokens))
+            scheduled_ids.add(id(seq))
+            budget -= num_tokens
+            i += 1
+        if not out.preempted:
+            budget = self._admit(budget, out)
+        return out
+
+    def _reserve_pages(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int],
+                       out: SchedulerOutput) -> bool:
+        need = self.pool.pages_for_tokens(seq.num_computed_tokens + num_tokens)
+        need -= len(seq.page_table)
+        while need > 0 and not self.pool.can_allocate(need):
+            victim = self.running[-1]
+            if id(victim) in scheduled_ids:
+                raise AssertionError("preempting a sequence already scheduled this step")
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        for _ in range(max(need, 0)):
+            seq.page_table.append(self.pool.allocate(seq.tenant))
+        return True
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+        reserve = int(self.pool.num_pages * self.config.admission_watermark)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            need = self.pool.pages_for_tokens(seq.num_computed_tokens + num_tokens)
+            need -= len(seq.page_table)
+            # A lone sequence may use the reserve: otherwise it could never start.
+            floor = reserve if self.running else 0
+            if self.pool.num_free_pages - need < floor:
+                break
+            self.waiting.popleft()
+            for _ in range(need):
+                seq.page_table.append(self.pool.allocate(seq.tenant))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_tokens))
+            budget -= num_tokens
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.free_pages(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def free_pages(self, seq: Sequence) -> None:
+        # Release in reverse so the most recently written pages are reused last.
+        for ref in reversed(seq.page_table):
+            self.pool.release(ref)
+        seq.page_table.clear()
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is (running or waiting) and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free_pages(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                return seq
+        return None

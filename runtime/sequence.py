@@ -1,0 +1,58 @@
+"""A request's state inside the engine: its tokens, how many have KV, and its page table."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.errors import TesseraError
+from runtime.kv.pages import PageRef
+from runtime.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str = "default"
+    prompt: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache; the rest of `token_ids` is fed on later steps.
+    num_computed_tokens: int = 0
+    page_table: list[PageRef] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: TesseraError | None = None
+    # Engine-side helpers (detokenizer, sampler generator) live here, opaque to the scheduler.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
