@@ -1,0 +1,93 @@
+"""The `tessera` command: generate, chat (and, in later issues, serve)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from runtime.errors import TesseraError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _build(args: argparse.Namespace):
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
+              max_model_len=args.max_model_len)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    return llm, params
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm, params = _build(args)
+    start = time.perf_counter()
+    outs = llm.generate(args.prompt, params)
+    elapsed = time.perf_counter() - start
+    n = 0
+    for prompt, out in zip(args.prompt, outs, strict=True):
+        print(f"### {prompt}\n{out.outputs[0].text}\n")
+        n += len(out.outputs[0].token_ids)
+    print(f"[{len(outs)} prompts, {n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s; "
+          f"{llm.kv_capacity_tokens} tokens of KV]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm, params = _build(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("tessera chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        out = llm.chat(messages, params)[0].outputs[0]
+        print(f"bot> {out.text.strip()}", flush=True)
+        messages.append({"role": "assistant", "content": out.text})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tessera", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one or more prompts offline")
+    gen.add_argument("prompt", nargs="+")
+    _engine_args(gen)
+    _sampling_args(gen, 64)
+    gen.set_defaults(fn=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat with the model (chat template)")
+    chat.add_argument("--system", default=None)
+    _engine_args(chat)
+    _sampling_args(chat, 256)
+    chat.set_defaults(fn=cmd_chat)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except TesseraError as e:
+        print(f"error: {e.reason}: {e.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Shared fixtures: the real default model, loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from runtime.loader import default_model_path as find
+
+    return find()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded default model in an engine with a 256 MiB fp32 KV pool (~5,800 tokens)."""
+    from runtime import LLM
+
+    return LLM(kv_cache_bytes=256 << 20, max_num_seqs=32)
+
+
+@pytest.fixture
+def engine(llm):
+    """The session engine; after the test, no request may remain and no page may be held."""
+    yield llm.engine
+    for rid in list(llm.engine.requests):
+        llm.engine.abort_request(rid)
+    llm.engine.pool.check_quiescent()
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_path):
+    """transformers' own reading of the same GGUF file, in float32: the correctness oracle."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(default_model_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        str(default_model_path.parent), gguf_file=default_model_path.name)
