@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from runtime.errors import InvalidArgument
 
+# Temperatures below this sample greedily (as in vLLM): dividing logits by a smaller one
+# overflows float32, or underflows the temperature itself to zero.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -69,7 +73,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def uses_penalties(self) -> bool:

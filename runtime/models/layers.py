@@ -56,6 +56,8 @@ class RotaryEmbedding(nn.Module):
         self.half = config.head_dim // 2
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
+        # Every layer rotates at the same positions: look them up once per step.
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
@@ -67,9 +69,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
         # x: [tokens, heads, head_dim]; positions: [tokens]
-        cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
-        cos = cos_t[positions].unsqueeze(1)
-        sin = sin_t[positions].unsqueeze(1)
+        if self._step is None or self._step[0] is not positions:
+            cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
+            self._step = (positions, cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1))
+        _, cos, sin = self._step
         out = []
         for x in xs:
             x1, x2 = x[..., : self.half], x[..., self.half :]
