@@ -101,6 +101,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
+    integrity: str = "tags"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -113,6 +114,9 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise InvalidArgument(f"max_model_len must be positive, got {self.max_model_len}",
                                   field="max_model_len")
+        if self.integrity not in ("tags", "off"):
+            raise InvalidArgument(f"integrity must be 'tags' or 'off', got {self.integrity!r}",
+                                  field="integrity")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidArgument(f"dtype must be auto, float32, bfloat16 or float16: {self.dtype}",
                                   field="dtype")

@@ -10,7 +10,13 @@ import torch
 
 from runtime.config import EngineConfig, ModelConfig
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.errors import ContextLengthExceeded, InvalidArgument, TesseraError
+from runtime.errors import (
+    ContextLengthExceeded,
+    InvalidArgument,
+    KVIntegrityViolation,
+    TesseraError,
+)
+from runtime.integrity import TRACKERS, Violation
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
 from runtime.loader import Checkpoint, open_checkpoint
@@ -69,6 +75,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.pool)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(config.seed)
+        self.tracker = TRACKERS[config.integrity](self.pool)
         self.requests: dict[str, Sequence] = {}
         self.eos_ids = set(self.model_config.eos_token_ids)
         log.info("engine ready: %s, %d pages of %d tokens (%d tokens of KV, %d bytes each)",
@@ -156,6 +163,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        failed: list[RequestOutput] = []
+        violations = self.tracker.verify_batch([s.seq for s in batch.scheduled])
+        if violations:
+            failed = self._abort_violations(violations)
+            bad = {id(v.seq) for v in violations}
+            batch.scheduled = [s for s in batch.scheduled if id(s.seq) not in bad]
+            if batch.is_empty:
+                return failed
         try:
             samplers, logits = self.runner.execute(batch)
             sampled = self.sampler(
@@ -168,7 +183,7 @@ class LLMEngine:
             return [o for s in batch.scheduled if (o := self.abort_request(s.seq.request_id, err))]
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
-        outputs = []
+        outputs = failed
         for item, token, lp in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
             seq = item.seq
             seq.output_token_ids.append(token)
@@ -177,6 +192,21 @@ class LLMEngine:
             self._check_finish(seq, token)
             outputs.append(self._output(seq, new_tokens=[token]))
         return outputs
+
+    def _abort_violations(self, violations: list[Violation]) -> list[RequestOutput]:
+        """Fail closed: end each affected sequence before anything reads its pages."""
+        outs = []
+        for v in violations:
+            log.warning("KV integrity violation: request %s page %d expected tag %d found %d (%s)",
+                        v.seq.request_id, v.page_id, v.expected_tag, v.found_tag, v.cause)
+            err = KVIntegrityViolation(
+                f"KV page {v.page_id} no longer matches this request ({v.cause}); "
+                f"aborted before reading it", page_id=v.page_id, expected_tag=v.expected_tag,
+                found_tag=v.found_tag, cause=v.cause)
+            out = self.abort_request(v.seq.request_id, err)
+            if out is not None:
+                outs.append(out)
+        return outs
 
     def _check_finish(self, seq: Sequence, token: int) -> None:
         detok: IncrementalDetokenizer = seq.extra["detok"]

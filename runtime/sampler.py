@@ -33,9 +33,12 @@ class Sampler:
         raw = logits
         if any(p.uses_penalties for p in params):
             logits = _apply_penalties(logits.clone(), params, histories)
-        chosen = torch.empty(len(params), dtype=torch.long)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        if greedy_rows:
+        if len(greedy_rows) == len(params):
+            chosen = logits.argmax(dim=-1)
+        else:
+            chosen = torch.empty(len(params), dtype=torch.long)
+        if greedy_rows and len(greedy_rows) < len(params):
             idx = torch.tensor(greedy_rows)
             chosen[idx] = logits[idx].argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -30,12 +30,18 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        # Accept lists and a single stop string, as users of vLLM pass them.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Accept lists, None and a single stop string, as users of vLLM pass them.
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is None:
+                value = ()
+            elif name == "stop" and isinstance(value, str):
+                value = (value,)
+            try:
+                object.__setattr__(self, name, tuple(value))
+            except TypeError:
+                raise InvalidArgument(f"{name} must be a list, got {value!r}",
+                                      field=name) from None
         self._validate()
 
     def _validate(self) -> None:
@@ -61,8 +67,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_finite(value) or not -2.0 <= value <= 2.0:
                 raise bad(name, "must be in [-2, 2]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise bad("seed", "must be a non-negative integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or
+                                      not 0 <= self.seed < 1 << 64):
+            raise bad("seed", "must be an integer in [0, 2**64)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -66,6 +66,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Page refs found stale at release (someone else holds the page now): not released.
+        self.num_stale_releases = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -141,9 +143,13 @@ class Scheduler:
         out.preempted.append(seq)
 
     def free_pages(self, seq: Sequence) -> None:
-        # Release in reverse so the most recently written pages are reused last.
+        # Release in reverse so the most recently written pages are reused last. A ref that is
+        # no longer live belongs to someone else now: releasing it would free their page.
         for ref in reversed(seq.page_table):
-            self.pool.release(ref)
+            if self.pool.is_live(ref):
+                self.pool.release(ref)
+            else:
+                self.num_stale_releases += 1
         seq.page_table.clear()
 
     def finish(self, seq: Sequence) -> None:

@@ -8,6 +8,7 @@ from the page's current life. `owner` is the tenant (or shared namespace) the pa
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ class PageRef:
 
     page_id: int
     tag: int
+    owner: int = 0  # the pool's code for the owner the page had when it was recorded
 
 
 class PagePool:
@@ -32,9 +34,13 @@ class PagePool:
             raise ValueError(f"num_pages and page_size must be positive ({num_pages}, {page_size})")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.tags = [0] * num_pages
+        # NOTE: fixed-size int64 arrays, never resized: the integrity tracker reads them
+        # zero-copy as tensors.
+        self.tags = array("q", bytes(8 * num_pages))
+        self.refcounts = array("q", bytes(8 * num_pages))
+        self.owner_codes = array("q", bytes(8 * num_pages))
         self.owners = [FREE_OWNER] * num_pages
-        self.refcounts = [0] * num_pages
+        self._codes: dict[str, int] = {FREE_OWNER: 0}
         self._free: deque[int] = deque(range(num_pages))
 
     @property
@@ -48,6 +54,12 @@ class PagePool:
     def pages_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def owner_code(self, owner: str) -> int:
+        code = self._codes.get(owner)
+        if code is None:
+            code = self._codes[owner] = len(self._codes)
+        return code
+
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= len(self._free)
 
@@ -59,11 +71,13 @@ class PagePool:
             raise PageAccountingError(f"page {page_id} on the free list has holders")
         self.tags[page_id] += 1
         self.owners[page_id] = owner
+        self.owner_codes[page_id] = code = self.owner_code(owner)
         self.refcounts[page_id] = 1
-        return PageRef(page_id, self.tags[page_id])
+        return PageRef(page_id, self.tags[page_id], code)
 
     def share(self, ref: PageRef) -> PageRef:
         """Add a holder to a live page (prefix-cache hit). The caller records the same tag."""
+        self._check_id(ref.page_id)
         if self.refcounts[ref.page_id] <= 0 or self.tags[ref.page_id] != ref.tag:
             raise PageAccountingError(f"share() of a page not live at tag {ref.tag}: {ref}")
         self.refcounts[ref.page_id] += 1
@@ -72,6 +86,7 @@ class PagePool:
     def release(self, ref: PageRef) -> bool:
         """Drop one holder; returns True when the page went back to the free list."""
         page_id = ref.page_id
+        self._check_id(page_id)
         if self.refcounts[page_id] <= 0:
             raise PageAccountingError(f"release() of free page {page_id} (double free)")
         if self.tags[page_id] != ref.tag:
@@ -81,11 +96,18 @@ class PagePool:
         self.refcounts[page_id] -= 1
         if self.refcounts[page_id] == 0:
             self.owners[page_id] = FREE_OWNER
+            self.owner_codes[page_id] = 0
             self._free.append(page_id)
             return True
         return False
 
+    def _check_id(self, page_id: int) -> None:
+        if not 0 <= page_id < self.num_pages:
+            raise PageAccountingError(f"page id {page_id} outside the pool of {self.num_pages}")
+
     def is_live(self, ref: PageRef) -> bool:
+        if not 0 <= ref.page_id < self.num_pages:
+            return False
         return self.refcounts[ref.page_id] > 0 and self.tags[ref.page_id] == ref.tag
 
     def check_quiescent(self) -> None:

@@ -14,7 +14,7 @@ def test_new_pool_has_every_page_free_and_unowned():
     assert pool.num_free_pages == 5
     assert pool.num_used_pages == 0
     assert pool.owners == [FREE_OWNER] * 5
-    assert pool.refcounts == [0] * 5
+    assert list(pool.refcounts) == [0] * 5
     pool.check_quiescent()
 
 
@@ -278,7 +278,7 @@ def test_random_programs_keep_refcounts_tags_and_owners_consistent(num_pages, op
             assert pool.is_live(ref)
             assert pool.owners[ref.page_id] == owner
             assert pool.tags[ref.page_id] == ref.tag
-        assert pool.refcounts == holders
+        assert list(pool.refcounts) == holders
         assert pool.num_used_pages == sum(1 for h in holders if h)
         for page_id in range(num_pages):
             if not holders[page_id]:

@@ -10,7 +10,7 @@ import itertools
 import random
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -107,8 +107,8 @@ def checked_step(sched: Scheduler, seqs: list[Sequence],
     assert flags == sorted(flags, reverse=True)
     if out.preempted:
         assert all(flags)
-        assert list(sched.waiting)[: len(out.preempted)] == sorted(
-            (s for s in out.preempted if not s.is_finished), key=lambda s: s.arrival)
+        front = list(sched.waiting)[: len(out.preempted)]
+        assert front == sorted(out.preempted, key=lambda s: s.arrival)
     # The youngest go first: everything preempted is younger than everything kept.
     kept = [item.seq.arrival for item in out.scheduled]
     assert all(p.arrival > a for p in out.preempted for a in kept)
@@ -587,6 +587,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 def test_hypothesis_driven_engine_loop_keeps_every_page_accounted_for():
     run_state_machine_as_test(SchedulerMachine, settings=settings(
-        max_examples=80, stateful_step_count=30, deadline=None,
+        max_examples=60, stateful_step_count=30, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
 
+
+
+class LeakySchedulerMachine(SchedulerMachine):
+    scheduler_cls = LeakyScheduler
+
+
+def test_the_hypothesis_driven_checks_catch_a_leaked_page():
+    with pytest.raises(AssertionError, match="leak"):
+        run_state_machine_as_test(LeakySchedulerMachine, settings=settings(
+            max_examples=60, stateful_step_count=30, deadline=None, database=None,
+            phases=[Phase.generate], print_blob=False))

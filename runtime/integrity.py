@@ -1,0 +1,117 @@
+"""Page integrity trackers: catch stale or foreign page mappings before a step reads KV.
+
+`tags` (the default) runs one batched check per step over every page of every scheduled
+sequence: the tag recorded when the sequence got the page must still be the page's tag, the
+page must still be held, and its owner must be the one recorded (the sequence's tenant or a
+declared shared namespace). Any mismatch aborts that sequence only, fail-closed. `off` has the
+same interface and checks nothing, for deployments that disable it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.verify_pages import CAUSES, verify_pages
+from runtime.kv.pages import PagePool
+from runtime.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Violation:
+    seq: Sequence
+    page_id: int
+    expected_tag: int
+    found_tag: int
+    cause: str
+
+
+@dataclass
+class IntegrityCounters:
+    checks_run: int = 0
+    pages_checked: int = 0
+    mismatches: Counter[str] = field(default_factory=Counter)
+    check_time_s: float = 0.0
+
+    @property
+    def num_mismatches(self) -> int:
+        return sum(self.mismatches.values())
+
+
+class TagIntegrityTracker:
+    name = "tags"
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.counters = IntegrityCounters()
+        # Zero-copy views of the pool's arrays: the pool stays torch-free.
+        self._tags = torch.frombuffer(pool.tags, dtype=torch.int64)
+        self._owners = torch.frombuffer(pool.owner_codes, dtype=torch.int64)
+        self._refcounts = torch.frombuffer(pool.refcounts, dtype=torch.int64)
+
+    def verify_batch(self, seqs: list[Sequence]) -> list[Violation]:
+        start = time.perf_counter()
+        page_ids: list[int] = []
+        tags: list[int] = []
+        owners: list[int] = []
+        bounds: list[int] = []
+        for seq in seqs:
+            for ref in seq.page_table:
+                page_ids.append(ref.page_id)
+                tags.append(ref.tag)
+                owners.append(ref.owner)
+            bounds.append(len(page_ids))
+        violations: list[Violation] = []
+        if page_ids:
+            causes = verify_pages(torch.tensor(page_ids), torch.tensor(tags),
+                                  torch.tensor(owners), self._tags, self._owners,
+                                  self._refcounts)
+            bad = causes.nonzero().flatten().tolist()
+            if bad:
+                violations = self._explain(seqs, bounds, bad, causes, page_ids, tags)
+        c = self.counters
+        c.checks_run += 1
+        c.pages_checked += len(page_ids)
+        for v in violations:
+            c.mismatches[v.cause] += 1
+        c.check_time_s += time.perf_counter() - start
+        return violations
+
+    def _explain(self, seqs: list[Sequence], bounds: list[int], bad: list[int],
+                 causes: torch.Tensor, page_ids: list[int], tags: list[int]) -> list[Violation]:
+        """First bad page of each affected sequence."""
+        out: list[Violation] = []
+        seen: set[int] = set()
+        s = 0
+        for i in bad:
+            while bounds[s] <= i:
+                s += 1
+            if s in seen:
+                continue
+            seen.add(s)
+            pid = page_ids[i]
+            out.append(Violation(seqs[s], pid, tags[i], self.pool.tags[pid],
+                                 CAUSES[int(causes[i])]))
+        return out
+
+
+class NoopIntegrityTracker:
+    name = "off"
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.counters = IntegrityCounters()
+
+    def verify_batch(self, seqs: list[Sequence]) -> list[Violation]:
+        return []
+
+
+IntegrityTracker = TagIntegrityTracker | NoopIntegrityTracker
+
+TRACKERS: dict[str, type[TagIntegrityTracker] | type[NoopIntegrityTracker]] = {
+    "tags": TagIntegrityTracker,
+    "off": NoopIntegrityTracker,
+}
