@@ -53,20 +53,35 @@ class AsyncLLM:
         """Stream outputs for one request; leaving the loop early aborts the request."""
         rid = request_id or f"req-{next(self._ids)}"
         out_q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), out_q)
+        stream = (asyncio.get_running_loop(), out_q)
+
+        def add() -> None:
+            self.engine.add_request(rid, prompt, params, tenant)
+            # NOTE: registered only once admitted, so a rejected duplicate id never takes
+            # over (or, on the way out, removes) the live request's stream.
+            self._streams[rid] = stream
+
         finished = False
         try:
-            await self.call(lambda: self.engine.add_request(rid, prompt, params, tenant))
+            await self.call(add)
             while not finished:
                 out = await out_q.get()
                 finished = out.finished
                 yield out
         finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self._commands.put((lambda: self.engine.abort_request(
-                    rid, RequestCancelled("the client went away")), concurrent.futures.Future()))
-                self._wake.set()
+            abort = not finished
+            self._commands.put((lambda: self._release(rid, stream, abort),
+                                concurrent.futures.Future()))
+            self._wake.set()
+
+    def _release(self, request_id: str, stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue],
+                 abort: bool) -> None:
+        """Engine thread: drop a stream that ended, aborting its request if still running."""
+        if self._streams.get(request_id) is not stream:
+            return  # never admitted, or the id now belongs to a newer request
+        del self._streams[request_id]
+        if abort:
+            self.engine.abort_request(request_id, RequestCancelled("the client went away"))
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda: self._abort_and_publish(request_id))
@@ -106,4 +121,9 @@ class AsyncLLM:
             target = self._streams.get(out.request_id)
             if target is not None:
                 loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, out)
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, out)
+                except RuntimeError:  # the caller's event loop is closed: nobody listens
+                    del self._streams[out.request_id]
+                    self.engine.abort_request(out.request_id,
+                                              RequestCancelled("the client went away"))

@@ -1,10 +1,11 @@
 """Page integrity trackers: catch stale or foreign page mappings before a step reads KV.
 
 `tags` (the default) runs one batched check per step over every page of every scheduled
-sequence: the tag recorded when the sequence got the page must still be the page's tag, the
-page must still be held, and its owner must be the one recorded (the sequence's tenant or a
-declared shared namespace). Any mismatch aborts that sequence only, fail-closed. `off` has the
-same interface and checks nothing, for deployments that disable it.
+sequence: the page table the model will read must name the pages the sequence recorded when
+it got them, the tag recorded then must still be the page's tag, the page must still be held,
+and its owner must be the one recorded (the sequence's tenant or a declared shared
+namespace). Any mismatch aborts that sequence only, fail-closed. `off` has the same interface
+and checks nothing, for deployments that disable it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.verify_pages import CAUSES, verify_pages
-from runtime.kv.pages import PagePool
+from runtime.kv.pages import PagePool, PageRef
 from runtime.sequence import Sequence
+
+# Pads a table/record length mismatch: page 0 at tag -1 never matches a live page.
+_NO_PAGE = PageRef(0, -1, -1)
 
 
 @dataclass(frozen=True)
@@ -55,20 +59,26 @@ class TagIntegrityTracker:
     def verify_batch(self, seqs: list[Sequence]) -> list[Violation]:
         start = time.perf_counter()
         page_ids: list[int] = []
+        expected_ids: list[int] = []
         tags: list[int] = []
         owners: list[int] = []
         bounds: list[int] = []
         for seq in seqs:
-            for ref in seq.page_table:
-                page_ids.append(ref.page_id)
+            table, recorded = seq.page_table, seq.recorded_pages
+            if len(table) != len(recorded):  # a page the allocator never gave, or one lost
+                recorded = recorded + [_NO_PAGE] * (len(table) - len(recorded))
+                table = table + [_NO_PAGE] * (len(recorded) - len(table))
+            for actual, ref in zip(table, recorded, strict=True):
+                page_ids.append(actual.page_id)
+                expected_ids.append(ref.page_id)
                 tags.append(ref.tag)
                 owners.append(ref.owner)
             bounds.append(len(page_ids))
         violations: list[Violation] = []
         if page_ids:
-            causes = verify_pages(torch.tensor(page_ids), torch.tensor(tags),
-                                  torch.tensor(owners), self._tags, self._owners,
-                                  self._refcounts)
+            causes = verify_pages(torch.tensor(page_ids), torch.tensor(expected_ids),
+                                  torch.tensor(tags), torch.tensor(owners), self._tags,
+                                  self._owners, self._refcounts)
             bad = causes.nonzero().flatten().tolist()
             if bad:
                 violations = self._explain(seqs, bounds, bad, causes, page_ids, tags)

@@ -109,7 +109,7 @@ class Scheduler:
             if victim is seq:
                 return False
         for _ in range(max(need, 0)):
-            seq.page_table.append(self.pool.allocate(seq.tenant))
+            self._give_page(seq)
         return True
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
@@ -125,7 +125,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             for _ in range(need):
-                seq.page_table.append(self.pool.allocate(seq.tenant))
+                self._give_page(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_tokens))
@@ -142,14 +142,21 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
 
+    def _give_page(self, seq: Sequence) -> None:
+        ref = self.pool.allocate(seq.tenant)
+        seq.page_table.append(ref)
+        seq.recorded_pages.append(ref)
+
     def free_pages(self, seq: Sequence) -> None:
-        # Release in reverse so the most recently written pages are reused last. A ref that is
-        # no longer live belongs to someone else now: releasing it would free their page.
-        for ref in reversed(seq.page_table):
+        # Release what the sequence recorded, newest first so the most recently written pages
+        # are reused last. A ref that is no longer live belongs to someone else now: releasing
+        # it would free their page.
+        for ref in reversed(seq.recorded_pages):
             if self.pool.is_live(ref):
                 self.pool.release(ref)
             else:
                 self.num_stale_releases += 1
+        seq.recorded_pages.clear()
         seq.page_table.clear()
 
     def finish(self, seq: Sequence) -> None:

@@ -32,7 +32,10 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache; the rest of `token_ids` is fed on later steps.
     num_computed_tokens: int = 0
+    # The table the model runner reads, and the integrity ledger: what the sequence recorded
+    # when the allocator gave it each page. The check compares the two and the pool.
     page_table: list[PageRef] = field(default_factory=list)
+    recorded_pages: list[PageRef] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None

@@ -513,8 +513,8 @@ class LeakyScheduler(Scheduler):
     """Forgets one page whenever it frees a sequence: the bug the checks above must catch."""
 
     def free_pages(self, seq: Sequence) -> None:
-        if seq.page_table:
-            seq.page_table.pop()
+        if seq.recorded_pages:
+            seq.recorded_pages.pop()
         super().free_pages(seq)
 
 
