@@ -291,16 +291,15 @@ def test_different_seeds_give_different_draws():
 @pytest.mark.slow
 def test_seeded_request_samples_the_same_alone_and_in_a_batch(llm, engine):
     prompt = "Write a short poem about the sea."
-    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate(prompt, seeded)[0].outputs[0].token_ids
-    again = llm.generate(prompt, seeded)[0].outputs[0].token_ids
-    assert again == alone
     others = ["The history of Rome", "def quicksort(xs):", "My favourite food is",
               "In 1905, Einstein"]
     mates = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, ignore_eos=True)
-             for n in (5, 30, 12, 20)]
+             for n in (3, 14, 6, 9)]
     outs = llm.generate([others[0], others[1], prompt, others[2], others[3]],
                         [mates[0], mates[1], seeded, mates[2], mates[3]])
     assert outs[2].outputs[0].token_ids == alone
-    reseeded = SamplingParams(temperature=0.8, seed=4321, max_tokens=24, ignore_eos=True)
+    assert len(set(alone)) > 4  # sampled text, not a degenerate repeat
+    reseeded = SamplingParams(temperature=0.8, seed=4321, max_tokens=12, ignore_eos=True)
     assert llm.generate(prompt, reseeded)[0].outputs[0].token_ids != alone

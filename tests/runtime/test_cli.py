@@ -1,0 +1,52 @@
+"""The `tessera` command in a real subprocess: generate, chat over stdin, and a bad model path.
+
+Each model-loading run costs a model load (~15 s), so there are only two of them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300
+
+
+def tessera(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "runtime", *args], input=stdin, text=True,
+                          capture_output=True, cwd=REPO, env=env, timeout=TIMEOUT_S)
+
+
+def test_generate_completes_a_prompt():
+    proc = tessera("generate", "The capital of France is", "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "### The capital of France is" in proc.stdout
+    assert " Paris" in proc.stdout
+    assert "tok/s" in proc.stderr  # the summary line goes to stderr, not into the output
+
+
+def test_chat_answers_a_line_from_stdin_and_quits_on_an_empty_line():
+    proc = tessera("chat", "--max-tokens", "24", "--kv-cache-bytes", str(64 << 20),
+                   stdin="What is 2+2?\n\n")
+    assert proc.returncode == 0, proc.stderr
+    replies = [line for line in proc.stdout.splitlines() if "bot> " in line]
+    assert len(replies) == 1, proc.stdout
+    assert replies[0].split("bot> ", 1)[1].strip()  # a non-empty answer
+    assert proc.stdout.count("you> ") == 2  # asked once more, then the empty line ended it
+
+
+def test_unknown_model_path_exits_non_zero_with_model_not_found(tmp_path):
+    missing = tmp_path / "missing.gguf"
+    proc = tessera("generate", "Hello", "--model", str(missing))
+    assert proc.returncode != 0
+    assert "MODEL_NOT_FOUND" in proc.stderr
+    assert str(missing) in proc.stderr
+    assert "Traceback" not in proc.stderr  # a clean error line, not a crash
+    assert proc.stdout == ""
