@@ -1,4 +1,4 @@
-"""The `tessera` command: generate, chat (and, in later issues, serve)."""
+"""The `tessera` command: generate, chat, plan (and, in later issues, serve)."""
 
 from __future__ import annotations
 
@@ -69,8 +69,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # the planner owns its flags and imports no torch
+        from ops.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tessera", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("plan", add_help=False,
+                   help="capacity planner: weights, KV per token and KV capacity for a "
+                        "config.json (tessera plan --help)")
     gen = sub.add_parser("generate", help="complete one or more prompts offline")
     gen.add_argument("prompt", nargs="+")
     _engine_args(gen)

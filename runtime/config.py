@@ -102,6 +102,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     integrity: str = "tags"
+    enable_prefix_caching: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ from runtime.errors import (
 from runtime.integrity import TRACKERS, Violation
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
+from runtime.kv.prefix import PrefixCache
 from runtime.loader import Checkpoint, open_checkpoint
 from runtime.model_runner import ModelRunner
 from runtime.models import model_class
@@ -71,8 +72,10 @@ class LLMEngine:
         self.max_model_len = min(self.model_config.max_position_embeddings,
                                  num_pages * config.page_size,
                                  config.max_model_len or 1 << 62)
+        self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.pool)
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.pool,
+            self.prefix_cache)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(config.seed)
         self.tracker = TRACKERS[config.integrity](self.pool)
@@ -154,6 +157,15 @@ class LLMEngine:
         self._finish(seq, "abort" if error is None else "error")
         return self._output(seq)
 
+    def check_quiescent(self) -> None:
+        """Raise unless every page is free or held once by the prefix cache alone."""
+        if self.requests:
+            raise AssertionError(f"{len(self.requests)} requests still in flight")
+        if self.prefix_cache is None:
+            self.pool.check_quiescent()
+        else:
+            self.prefix_cache.check_quiescent()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -183,6 +195,7 @@ class LLMEngine:
             return [o for s in batch.scheduled if (o := self.abort_request(s.seq.request_id, err))]
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
+            self.scheduler.cache_full_pages(item.seq)
         outputs = failed
         for item, token, lp in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
             seq = item.seq
@@ -203,6 +216,7 @@ class LLMEngine:
                 f"KV page {v.page_id} no longer matches this request ({v.cause}); "
                 f"aborted before reading it", page_id=v.page_id, expected_tag=v.expected_tag,
                 found_tag=v.found_tag, cause=v.cause)
+            self.scheduler.uncache_pages(v.seq)
             out = self.abort_request(v.seq.request_id, err)
             if out is not None:
                 outs.append(out)

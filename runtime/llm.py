@@ -20,11 +20,12 @@ class LLM:
                  kv_cache_bytes: int = 1 << 30, page_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, device: str = "cpu", seed: int = 0,
-                 integrity: str = "tags") -> None:
+                 integrity: str = "tags", enable_prefix_caching: bool = True) -> None:
         config = EngineConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
-                              device=device, seed=seed, integrity=integrity)
+                              device=device, seed=seed, integrity=integrity,
+                              enable_prefix_caching=enable_prefix_caching)
         self.engine = LLMEngine.from_path(model, config)
         self._ids = itertools.count()
 
@@ -35,6 +36,13 @@ class LLM:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.engine.kv_capacity_tokens
+
+    def memory_report(self) -> Any:
+        """Weights and KV this engine holds, next to the capacity planner's numbers for the same
+        model, formats and pool (an `ops.planner.engine.MemoryReport`)."""
+        from ops.planner.engine import memory_report
+
+        return memory_report(self.engine)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

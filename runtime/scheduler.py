@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.kv.pages import PagePool
+from runtime.kv.pages import PagePool, PageRef
+from runtime.kv.prefix import PrefixCache
 from runtime.sequence import Sequence, SequenceStatus
 
 
@@ -60,9 +61,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: PagePool,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -101,6 +104,8 @@ class Scheduler:
                        out: SchedulerOutput) -> bool:
         need = self.pool.pages_for_tokens(seq.num_computed_tokens + num_tokens)
         need -= len(seq.page_table)
+        if need > self.pool.num_free_pages and self.prefix_cache is not None:
+            self.prefix_cache.evict(need - self.pool.num_free_pages)
         while need > 0 and not self.pool.can_allocate(need):
             victim = self.running[-1]
             if id(victim) in scheduled_ids:
@@ -116,14 +121,20 @@ class Scheduler:
         reserve = int(self.pool.num_pages * self.config.admission_watermark)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            need = self.pool.pages_for_tokens(seq.num_computed_tokens + num_tokens)
-            need -= len(seq.page_table)
+            hits = self._cache_hits(seq)
+            computed = seq.num_computed_tokens + len(hits) * self.pool.page_size
+            num_tokens = min(seq.num_tokens - computed, budget)
+            need = self.pool.pages_for_tokens(computed + num_tokens)
+            need -= len(seq.page_table) + len(hits)
             # A lone sequence may use the reserve: otherwise it could never start.
             floor = reserve if self.running else 0
+            short = need + floor - self.pool.num_free_pages
+            if short > 0 and self.prefix_cache is not None:
+                self.prefix_cache.evict(short, keep={r.page_id for r in hits})
             if self.pool.num_free_pages - need < floor:
                 break
             self.waiting.popleft()
+            self._take_hits(seq, hits)
             for _ in range(need):
                 self._give_page(seq)
             seq.status = SequenceStatus.RUNNING
@@ -142,6 +153,47 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
 
+    def _cache_hits(self, seq: Sequence) -> list[PageRef]:
+        if self.prefix_cache is None or seq.page_table:
+            return []
+        # Leave at least one token to compute: the step must produce the next token's logits.
+        max_pages = (seq.num_tokens - 1) // self.pool.page_size
+        seq.page_keys = self.prefix_cache.page_keys(seq.tenant, seq.token_ids, max_pages,
+                                                    seq.page_keys[:max_pages])
+        return self.prefix_cache.lookup(seq.page_keys)
+
+    def _take_hits(self, seq: Sequence, hits: list[PageRef]) -> None:
+        for ref in hits:
+            # A stale ref is recorded as is: the integrity check aborts the sequence before
+            # it reads the page (fail closed), and it is never released on its behalf.
+            if self.pool.is_live(ref):
+                self.pool.share(ref)
+            seq.page_table.append(ref)
+            seq.recorded_pages.append(ref)
+        seq.num_computed_tokens += len(hits) * self.pool.page_size
+        seq.num_pages_cached = len(hits)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = len(hits) * self.pool.page_size
+
+    def cache_full_pages(self, seq: Sequence) -> None:
+        """After a step: index the sequence's newly completed pages in the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        full = seq.num_computed_tokens // self.pool.page_size
+        if full <= seq.num_pages_cached:
+            return
+        seq.page_keys = self.prefix_cache.page_keys(seq.tenant, seq.token_ids, full,
+                                                    seq.page_keys[:full])
+        for i in range(seq.num_pages_cached, full):
+            self.prefix_cache.insert(seq.page_keys[i], seq.recorded_pages[i])
+        seq.num_pages_cached = full
+
+    def uncache_pages(self, seq: Sequence) -> None:
+        """A sequence failed its integrity check: none of its pages may be served again."""
+        if self.prefix_cache is not None:
+            for ref in seq.recorded_pages:
+                self.prefix_cache.discard_page(ref.page_id)
+
     def _give_page(self, seq: Sequence) -> None:
         ref = self.pool.allocate(seq.tenant)
         seq.page_table.append(ref)
@@ -158,6 +210,7 @@ class Scheduler:
                 self.num_stale_releases += 1
         seq.recorded_pages.clear()
         seq.page_table.clear()
+        seq.num_pages_cached = 0
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence wherever it is (running or waiting) and free its pages."""

@@ -37,6 +37,9 @@ class Sequence:
     page_table: list[PageRef] = field(default_factory=list)
     recorded_pages: list[PageRef] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Prefix-cache keys of this sequence's full pages, and how many of them are in the cache.
+    page_keys: list[bytes] = field(default_factory=list)
+    num_pages_cached: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None

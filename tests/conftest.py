@@ -32,7 +32,7 @@ def engine(llm):
     yield llm.engine
     for rid in list(llm.engine.requests):
         llm.engine.abort_request(rid)
-    llm.engine.pool.check_quiescent()
+    llm.engine.check_quiescent()
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ def run_tessera(engine: LLMEngine, reqs: list[BenchRequest], concurrency: int) -
     wall = time.perf_counter() - start
     tokens = sum(len(s) for s in stamps.values())
     itl = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps.values() if len(s) > 1]
-    engine.pool.check_quiescent()
+    engine.check_quiescent()
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
             "itl_ms_median": 1e3 * statistics.median(itl),
             "itl_ms_p95": 1e3 * statistics.quantiles(itl, n=20)[-1] if len(itl) > 1 else None}

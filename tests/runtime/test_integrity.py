@@ -19,7 +19,8 @@ from runtime.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow
 
 PROMPTS = {
-    "victim": "The history of the Roman empire begins with a small city on the Tiber, which",
+    "victim": "The history of the Roman empire begins with a small city on the Tiber, which "
+              "grew over centuries from a cluster of hilltop villages into the capital of a",
     "bystander": "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
     "thief": "Photosynthesis is the process by which green plants",
 }
@@ -54,7 +55,7 @@ def run_with_fault(engine, inject, tenants=None):
 
 FAULTS = {
     "use_after_free": lambda f: f.reassign_page("victim", "thief", index=0),
-    "tag_bump": lambda f: f.bump_tag("victim", index=1),
+    "tag_bump": lambda f: f.bump_tag("victim", index=-1),
     "swapped_entries": lambda f: f.swap_entries("victim", 0, -1),
     "freed_while_writing": lambda f: f.free_early("victim", index=0),
 }
@@ -83,9 +84,11 @@ def test_fault_aborts_only_the_victim_before_it_reads_the_bad_page(engine, basel
 
 def repair_quarantined_page(engine):
     pool = engine.pool
-    held = [p for p in range(pool.num_pages) if pool.refcounts[p]]
+    cached = {r.page_id for r in engine.prefix_cache._index.values()}
+    held = [p for p in range(pool.num_pages) if pool.refcounts[p] and p not in cached]
     assert len(held) == 1 and engine.scheduler.num_stale_releases >= 1
-    pool.release(PageRef(held[0], pool.tags[held[0]]))  # so later tests start clean
+    while pool.refcounts[held[0]]:  # so later tests start clean
+        pool.release(PageRef(held[0], pool.tags[held[0]]))
 
 
 def test_a_page_of_another_tenant_is_caught_as_foreign_or_stale(engine, baseline):
@@ -101,6 +104,7 @@ def tracker_off(engine):
     engine.tracker = NoopIntegrityTracker(engine.pool)
     yield engine
     engine.tracker = saved
+    engine.prefix_cache.clear()  # without the check, corrupted pages may have been cached
 
 
 @pytest.mark.parametrize("fault", ["use_after_free", "swapped_entries", "freed_while_writing"])
@@ -122,3 +126,28 @@ def test_integrity_config_rejects_unknown_tracker():
 
     with pytest.raises(InvalidArgument, match="integrity"):
         EngineConfig(integrity="maybe")
+
+
+def resurrect_then_rerun(engine, llm):
+    """The victim's prompt is cached, its first page's entry goes stale, then it comes again."""
+    victim = PROMPTS["victim"]
+    llm.generate([victim], PARAMS, tenant="acme")
+    key = engine.prefix_cache.page_keys("acme", llm.tokenizer.encode(victim), 1)[0]
+    FaultInjector(engine).resurrect_cache_entry(key)
+    return llm.generate(list(PROMPTS.values()), PARAMS, tenant="acme")
+
+
+def test_a_resurrected_stale_cache_entry_aborts_the_request_that_hits_it(engine, llm, baseline):
+    outs = dict(zip(PROMPTS, resurrect_then_rerun(engine, llm), strict=True))
+    assert isinstance(outs["victim"].error, KVIntegrityViolation)
+    assert outs["victim"].error.metadata["cause"] in ("stale_tag", "freed_page")
+    assert outs["victim"].outputs[0].token_ids == []
+    for name in ("bystander", "thief"):
+        assert outs[name].outputs[0].token_ids == baseline[name]
+
+
+def test_without_the_check_a_resurrected_entry_feeds_another_requests_kv(tracker_off, llm,
+                                                                          baseline):
+    outs = dict(zip(PROMPTS, resurrect_then_rerun(tracker_off, llm), strict=True))
+    assert outs["victim"].error is None
+    assert outs["victim"].outputs[0].token_ids != baseline["victim"]
