@@ -103,6 +103,7 @@ class EngineConfig:
     seed: int = 0
     integrity: str = "tags"
     enable_prefix_caching: bool = True
+    tenant_page_quota: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -115,6 +116,9 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise InvalidArgument(f"max_model_len must be positive, got {self.max_model_len}",
                                   field="max_model_len")
+        if not 0.0 < self.tenant_page_quota <= 1.0:
+            raise InvalidArgument(f"tenant_page_quota must be in (0, 1], got "
+                                  f"{self.tenant_page_quota}", field="tenant_page_quota")
         if self.integrity not in ("tags", "off"):
             raise InvalidArgument(f"integrity must be 'tags' or 'off', got {self.integrity!r}",
                                   field="integrity")

@@ -14,6 +14,7 @@ from runtime.errors import (
     ContextLengthExceeded,
     InvalidArgument,
     KVIntegrityViolation,
+    TenantQuotaExceeded,
     TesseraError,
 )
 from runtime.integrity import TRACKERS, Violation
@@ -74,7 +75,8 @@ class LLMEngine:
                                  config.max_model_len or 1 << 62)
         self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.pool,
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            tenant_page_quota=config.tenant_page_quota), self.pool,
             self.prefix_cache)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(config.seed)
@@ -138,6 +140,12 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; this model serves at most {self.max_model_len} "
                 f"(prompt and output together)", prompt_tokens=len(ids),
                 max_model_len=self.max_model_len)
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.pool.pages_for_tokens(longest) > self.scheduler.quota_pages:
+            raise TenantQuotaExceeded(
+                f"this request may need {longest} tokens of KV, more than tenant {tenant!r} may "
+                f"hold ({self.scheduler.quota_pages * self.pool.page_size} tokens)",
+                tenant=tenant, quota_pages=self.scheduler.quota_pages)
         seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text)
         seq.extra["detok"] = IncrementalDetokenizer(
             self.tokenizer, ids, params.stop, params.include_stop_str_in_output,

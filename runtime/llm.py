@@ -20,12 +20,14 @@ class LLM:
                  kv_cache_bytes: int = 1 << 30, page_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, device: str = "cpu", seed: int = 0,
-                 integrity: str = "tags", enable_prefix_caching: bool = True) -> None:
+                 integrity: str = "tags", enable_prefix_caching: bool = True,
+                 tenant_page_quota: float = 1.0) -> None:
         config = EngineConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
                               device=device, seed=seed, integrity=integrity,
-                              enable_prefix_caching=enable_prefix_caching)
+                              enable_prefix_caching=enable_prefix_caching,
+                              tenant_page_quota=tenant_page_quota)
         self.engine = LLMEngine.from_path(model, config)
         self._ids = itertools.count()
 

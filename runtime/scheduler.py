@@ -23,6 +23,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     # Fraction of the pool kept free when admitting, so running decodes rarely preempt.
     admission_watermark: float = 0.01
+    # Largest fraction of the pool one tenant's running sequences may hold.
+    tenant_page_quota: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -33,6 +35,8 @@ class SchedulerConfig:
             )
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError(f"admission_watermark must be in [0, 1): {self.admission_watermark}")
+        if not 0.0 < self.tenant_page_quota <= 1.0:
+            raise ValueError(f"tenant_page_quota must be in (0, 1]: {self.tenant_page_quota}")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,19 @@ class Scheduler:
         self.num_stale_releases = 0
 
     @property
+    def quota_pages(self) -> int:
+        return max(1, int(self.config.tenant_page_quota * self.pool.num_pages))
+
+    def tenant_pages(self, tenant: str) -> int:
+        """Pages held by the tenant's running sequences (cache-only holds are not charged)."""
+        return sum(len(s.recorded_pages) for s in self.running if s.tenant == tenant)
+
+    def _over_quota(self, tenant: str, more_pages: int) -> bool:
+        if self.config.tenant_page_quota >= 1.0:
+            return False  # the pool itself is the only limit
+        return self.tenant_pages(tenant) + more_pages > self.quota_pages
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -104,6 +121,12 @@ class Scheduler:
                        out: SchedulerOutput) -> bool:
         need = self.pool.pages_for_tokens(seq.num_computed_tokens + num_tokens)
         need -= len(seq.page_table)
+        while need > 0 and self._over_quota(seq.tenant, need):
+            # Over its quota, a tenant gives up its own youngest sequence, never another's.
+            victim = next(s for s in reversed(self.running) if s.tenant == seq.tenant)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
         if need > self.pool.num_free_pages and self.prefix_cache is not None:
             self.prefix_cache.evict(need - self.pool.num_free_pages)
         while need > 0 and not self.pool.can_allocate(need):
@@ -119,8 +142,9 @@ class Scheduler:
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
         reserve = int(self.pool.num_pages * self.config.admission_watermark)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             hits = self._cache_hits(seq)
             computed = seq.num_computed_tokens + len(hits) * self.pool.page_size
             num_tokens = min(seq.num_tokens - computed, budget)
@@ -128,12 +152,14 @@ class Scheduler:
             need -= len(seq.page_table) + len(hits)
             # A lone sequence may use the reserve: otherwise it could never start.
             floor = reserve if self.running else 0
+            if self._over_quota(seq.tenant, len(hits) + need):
+                continue  # this tenant waits; other tenants may still be admitted
             short = need + floor - self.pool.num_free_pages
             if short > 0 and self.prefix_cache is not None:
                 self.prefix_cache.evict(short, keep={r.page_id for r in hits})
             if self.pool.num_free_pages - need < floor:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self._take_hits(seq, hits)
             for _ in range(need):
                 self._give_page(seq)
