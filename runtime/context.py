@@ -24,11 +24,20 @@ class PrefillSlice:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token steps [start, end) of the flat batch with similar context lengths, so
+    padding every sequence to the group's longest costs little."""
+
+    start: int
+    end: int
+    page_table: torch.Tensor  # [end - start, max_pages] long
+    mask: torch.Tensor  # [end - start, max_pages * page_size] bool, True = attend
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: flat KV slot (page_id * page_size + offset) per token
-    num_decode: int  # the first num_decode tokens are single-token steps, one per sequence
-    decode_page_table: torch.Tensor | None  # [num_decode, max_pages] long
-    decode_mask: torch.Tensor | None  # [num_decode, max_pages * page_size] bool, True = attend
+    decodes: list[DecodeGroup]  # cover tokens [0, num_decode) in order
     prefills: list[PrefillSlice]
 
 

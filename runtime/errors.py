@@ -44,8 +44,10 @@ class Overloaded(TesseraError):
 
 
 class TenantQuotaExceeded(TesseraError):
+    """Raised for a request that alone needs more KV than its tenant may hold: never retryable.
+    (Within the quota, a tenant's requests wait instead.)"""
+
     reason = "TENANT_QUOTA_EXCEEDED"
-    retryable = True
 
 
 class KVIntegrityViolation(TesseraError):

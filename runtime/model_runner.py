@@ -8,7 +8,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.context import AttentionMetadata, ForwardContext, PrefillSlice, forward_context
+from runtime.context import (
+    AttentionMetadata,
+    DecodeGroup,
+    ForwardContext,
+    PrefillSlice,
+    forward_context,
+)
 from runtime.kv.cache import KVCache
 from runtime.scheduler import ScheduledSequence, SchedulerOutput
 
@@ -23,7 +29,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSequence], torch.Tensor]:
         """Run one step. Returns the sequences that sample this step and their logits rows."""
-        decodes = [s for s in batch.scheduled if s.num_tokens == 1]
+        decodes = sorted((s for s in batch.scheduled if s.num_tokens == 1),
+                         key=lambda s: len(s.seq.page_table))
         prefills = [s for s in batch.scheduled if s.num_tokens > 1]
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -44,13 +51,9 @@ class ModelRunner:
                 samplers.append(item)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decode=len(decodes),
-            decode_page_table=None,
-            decode_mask=None,
+            decodes=self._decode_groups(decodes),
             prefills=[],
         )
-        if decodes:
-            meta.decode_page_table, meta.decode_mask = self._decode_tables(decodes)
         offset = len(decodes)
         for item in prefills:
             meta.prefills.append(self._prefill_slice(item, offset))
@@ -62,6 +65,19 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         return samplers, logits
+
+    def _decode_groups(self, decodes: list[ScheduledSequence]) -> list[DecodeGroup]:
+        """Split decodes (sorted by page count) where the longest would more than double the
+        group's padding: a short sequence never pays for a long one's whole context."""
+        groups: list[DecodeGroup] = []
+        start = 0
+        for i in range(1, len(decodes) + 1):
+            if i == len(decodes) or (len(decodes[i].seq.page_table)
+                                     > 2 * len(decodes[start].seq.page_table)):
+                table, mask = self._decode_tables(decodes[start:i])
+                groups.append(DecodeGroup(start, i, table, mask))
+                start = i
+        return groups
 
     def _decode_tables(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
         max_pages = max(len(s.seq.page_table) for s in decodes)

@@ -108,7 +108,9 @@ class Scheduler:
             seq = self.running[i]
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve_pages(seq, num_tokens, scheduled_ids, out):
-                break  # seq itself was preempted: everything younger is gone too
+                # seq preempted itself; running[i] is now the next younger sequence, if any
+                # (none after a pool preemption; another tenant's after a quota preemption).
+                continue
             out.scheduled.append(ScheduledSequence(seq, num_tokens))
             scheduled_ids.add(id(seq))
             budget -= num_tokens
@@ -136,6 +138,10 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return False
+            if need > self.pool.num_free_pages and self.prefix_cache is not None:
+                # The victim's cached pages are now held by the cache alone: evicting them
+                # beats preempting another sequence.
+                self.prefix_cache.evict(need - self.pool.num_free_pages)
         for _ in range(max(need, 0)):
             self._give_page(seq)
         return True

@@ -51,3 +51,15 @@ def hf_tokenizer(default_model_path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(
         str(default_model_path.parent), gguf_file=default_model_path.name)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for the module: on a small shared CPU box, two threads spin-waiting
+    on each other make every op ~10x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -99,10 +99,9 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = ctx.kv_cache.layer(self.layer_index)  # type: ignore[attr-defined]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         parts = []
-        if meta.num_decode:
-            parts.append(paged_decode_attention(q[: meta.num_decode], k_cache, v_cache,
-                                                meta.decode_page_table, meta.decode_mask,
-                                                self.scale))
+        for g in meta.decodes:
+            parts.append(paged_decode_attention(q[g.start : g.end], k_cache, v_cache,
+                                                g.page_table, g.mask, self.scale))
         for p in meta.prefills:
             parts.append(paged_prefill_attention(q[p.start : p.end], k_cache, v_cache,
                                                  p.page_ids, p.context_len, p.mask, self.scale))

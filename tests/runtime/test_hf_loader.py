@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
+from tests.helpers import capture_logits
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +33,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a small shared CPU box, two threads spin-waiting on each other
-    make every op ~10x slower. Both sides of each comparison run under the same setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Both sides of each comparison run under the same single-thread setting."""
 
 
 def save_as_safetensors_dir(model, tokenizer, path) -> None:
@@ -154,16 +150,7 @@ def test_tiny_model_logits_match_transformers_at_prefill_and_decode(tiny, tiny_h
                                                                     monkeypatch):
     hf_model, _ = tiny_hf
     engine = tiny.engine
-    captured: dict[str, list[torch.Tensor]] = {}
-    execute = engine.runner.execute
-
-    def capturing(batch):
-        samplers, logits = execute(batch)
-        for item, row in zip(samplers, logits, strict=True):
-            captured.setdefault(item.seq.request_id, []).append(row.clone())
-        return samplers, logits
-
-    monkeypatch.setattr(engine.runner, "execute", capturing)
+    captured = capture_logits(engine, monkeypatch)
     num_tokens = 12
     params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):

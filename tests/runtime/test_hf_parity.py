@@ -10,6 +10,7 @@ import torch
 
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
+from tests.helpers import capture_logits
 
 pytestmark = pytest.mark.slow
 
@@ -69,13 +70,8 @@ LOGIT_PROMPTS = [1, 19, 12]  # short, chunked (> 512 tokens), medium
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a small shared CPU box, two threads spin-waiting on each other
-    make every op ~10x slower. Both sides of each comparison run under the same setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Both sides of each comparison run under the same single-thread setting."""
 
 
 def hf_ids(hf_tokenizer, text: str) -> list[int]:
@@ -180,16 +176,7 @@ def test_logits_match_transformers_at_prefill_and_every_decode_step(engine, hf_m
                                                                     hf_tokenizer, monkeypatch):
     num_tokens = 8
     params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=5)
-    captured: dict[str, list[torch.Tensor]] = {}
-    execute = engine.runner.execute
-
-    def capturing(batch):
-        samplers, logits = execute(batch)
-        for item, row in zip(samplers, logits, strict=True):
-            captured.setdefault(item.seq.request_id, []).append(row.clone())
-        return samplers, logits
-
-    monkeypatch.setattr(engine.runner, "execute", capturing)
+    captured = capture_logits(engine, monkeypatch)
     first, *rest = LOGIT_PROMPTS
     outs = drive(engine, [([first], 3), (rest, 0)],
                  lambda i: engine.add_request(f"logits-{i}", hf_ids(hf_tokenizer, PROMPTS[i]),

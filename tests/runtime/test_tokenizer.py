@@ -4,7 +4,6 @@ incremental detokenizer: whole characters only, stop strings cut and never partl
 from __future__ import annotations
 
 import pytest
-import torch
 
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.sampling_params import SamplingParams
@@ -61,13 +60,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a small shared CPU box, two threads spin-waiting on each other
-    make every op ~10x slower. Both sides of each comparison run under the same setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Both sides of each comparison run under the same single-thread setting."""
 
 
 @pytest.fixture(scope="module")
