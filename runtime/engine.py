@@ -82,6 +82,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.tracker = TRACKERS[config.integrity](self.pool)
         self.requests: dict[str, Sequence] = {}
+        # namespace -> (prefix token ids, tenants allowed to share it)
+        self.shared_prefixes: dict[str, tuple[list[int], frozenset[str]]] = {}
         self.eos_ids = set(self.model_config.eos_token_ids)
         log.info("engine ready: %s, %d pages of %d tokens (%d tokens of KV, %d bytes each)",
                  checkpoint.revision, num_pages, config.page_size, self.kv_capacity_tokens,
@@ -125,6 +127,23 @@ class LLMEngine:
         raise InvalidArgument(f"prompt must be a string or a list of token ids, "
                               f"got {type(prompt).__name__}", field="prompt")
 
+    def declare_shared_prefix(self, namespace: str, prefix: str | list[int],
+                              tenants: list[str]) -> int:
+        """Operator-only: let these tenants share the KV of a common prompt prefix (e.g. a
+        system prompt). Returns the number of tokens shared (whole pages only)."""
+        if not namespace or namespace in tenants:
+            raise InvalidArgument("a shared namespace needs its own name, not a tenant's",
+                                  field="namespace")
+        _, ids = self.tokenize_prompt(prefix)
+        self.shared_prefixes[namespace] = (ids, frozenset(tenants))
+        return len(ids) // self.pool.page_size * self.pool.page_size
+
+    def _shared_prefix_for(self, tenant: str, ids: list[int]) -> tuple[str | None, int]:
+        for ns, (prefix, tenants) in self.shared_prefixes.items():
+            if tenant in tenants and ids[: len(prefix)] == prefix:
+                return ns, len(prefix) // self.pool.page_size
+        return None, 0
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     tenant: str = "default") -> Sequence:
         if not isinstance(params, SamplingParams):
@@ -147,6 +166,7 @@ class LLMEngine:
                 f"hold ({self.scheduler.quota_pages * self.pool.page_size} tokens)",
                 tenant=tenant, quota_pages=self.scheduler.quota_pages)
         seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text)
+        seq.shared_namespace, seq.shared_pages = self._shared_prefix_for(tenant, ids)
         seq.extra["detok"] = IncrementalDetokenizer(
             self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
             params.skip_special_tokens)

@@ -191,7 +191,7 @@ class Scheduler:
         # Leave at least one token to compute: the step must produce the next token's logits.
         max_pages = (seq.num_tokens - 1) // self.pool.page_size
         seq.page_keys = self.prefix_cache.page_keys(seq.tenant, seq.token_ids, max_pages,
-                                                    seq.page_keys[:max_pages])
+                                                    seq.page_keys[:max_pages], seq.shared_prefix)
         return self.prefix_cache.lookup(seq.page_keys)
 
     def _take_hits(self, seq: Sequence, hits: list[PageRef]) -> None:
@@ -215,7 +215,7 @@ class Scheduler:
         if full <= seq.num_pages_cached:
             return
         seq.page_keys = self.prefix_cache.page_keys(seq.tenant, seq.token_ids, full,
-                                                    seq.page_keys[:full])
+                                                    seq.page_keys[:full], seq.shared_prefix)
         for i in range(seq.num_pages_cached, full):
             self.prefix_cache.insert(seq.page_keys[i], seq.recorded_pages[i])
         seq.num_pages_cached = full
@@ -227,7 +227,7 @@ class Scheduler:
                 self.prefix_cache.discard_page(ref.page_id)
 
     def _give_page(self, seq: Sequence) -> None:
-        ref = self.pool.allocate(seq.tenant)
+        ref = self.pool.allocate(seq.owner_of_page(len(seq.recorded_pages)))
         seq.page_table.append(ref)
         seq.recorded_pages.append(ref)
 

@@ -40,6 +40,10 @@ class Sequence:
     # Prefix-cache keys of this sequence's full pages, and how many of them are in the cache.
     page_keys: list[bytes] = field(default_factory=list)
     num_pages_cached: int = 0
+    # An operator-declared shared prefix (e.g. a common system prompt): its first
+    # `shared_pages` full pages belong to the namespace, not to the tenant.
+    shared_namespace: str | None = None
+    shared_pages: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -58,6 +62,14 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def shared_prefix(self) -> tuple[str, int] | None:
+        return (self.shared_namespace, self.shared_pages) if self.shared_namespace else None
+
+    def owner_of_page(self, index: int) -> str:
+        return self.shared_namespace if index < self.shared_pages and self.shared_namespace \
+            else self.tenant
 
     @property
     def is_finished(self) -> bool:

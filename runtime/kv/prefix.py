@@ -28,12 +28,23 @@ class PrefixCache:
         return len(self._index)
 
     def page_keys(self, salt: str, token_ids: list[int], num_pages: int,
-                  known: list[bytes] | None = None) -> list[bytes]:
-        """Keys of the first num_pages full pages; `known` are already-computed leading keys."""
+                  known: list[bytes] | None = None,
+                  shared: tuple[str, int] | None = None) -> list[bytes]:
+        """Keys of the first num_pages full pages; `known` are already-computed leading keys.
+
+        With `shared=(namespace, n)`, the first n pages are keyed under the namespace (every
+        tenant in it hits them) and the chain is salted with the tenant again from page n on,
+        so what follows the shared prefix stays private.
+        """
         ps = self.pool.page_size
         keys = list(known or [])
-        parent = keys[-1] if keys else hashlib.blake2b(salt.encode(), digest_size=16).digest()
+        ns, num_shared = shared if shared else ("", 0)
+        root = ns if num_shared else salt
+        parent = keys[-1] if keys else hashlib.blake2b(root.encode(), digest_size=16).digest()
         for i in range(len(keys), num_pages):
+            if num_shared and i == num_shared:
+                parent = hashlib.blake2b(parent + b"|tenant|" + salt.encode(),
+                                         digest_size=16).digest()
             tokens = array("q", token_ids[i * ps : (i + 1) * ps]).tobytes()
             parent = hashlib.blake2b(parent + tokens, digest_size=16).digest()
             keys.append(parent)

@@ -112,3 +112,36 @@ def test_another_tenant_gets_no_hit_and_recomputes_the_whole_prompt(engine, llm)
     assert b.num_cached_tokens == 0
     assert engine.prefix_cache.lookups == lookups + 1 and engine.prefix_cache.hits == hits
     assert b.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_a_declared_shared_prefix_is_shared_only_within_its_namespace(engine, llm):
+    engine.prefix_cache.clear()
+    system = LONG_PROMPT + "\n"
+    shared_tokens = engine.declare_shared_prefix("support-bot", system, ["acme", "globex"])
+    question = (" Is weekend delivery possible, and what does it cost? I live in a small town "
+                "far from the nearest depot, and I usually order heavy furniture twice a year.")
+    try:
+        a = llm.generate([system + question], PARAMS, tenant="acme")[0]
+        b = llm.generate([system + question], PARAMS, tenant="globex")[0]
+        c = llm.generate([system + question], PARAMS, tenant="initech")[0]
+        a2 = llm.generate([system + question], PARAMS, tenant="acme")[0]
+    finally:
+        engine.shared_prefixes.clear()
+    assert shared_tokens > 0
+    assert a.num_cached_tokens == 0
+    # globex hits the namespace's pages, but not acme's private pages after them
+    assert b.num_cached_tokens == shared_tokens
+    assert c.num_cached_tokens == 0  # not in the namespace
+    assert a2.num_cached_tokens > shared_tokens  # acme's own continuation is cached for acme
+    for out in (b, c, a2):
+        assert out.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_shared_keys_cover_only_the_shared_pages():
+    _, cache = cached_pool()
+    tokens = list(range(16))
+    a = cache.page_keys("acme", tokens, 4, shared=("ns", 2))
+    b = cache.page_keys("globex", tokens, 4, shared=("ns", 2))
+    assert a[:2] == b[:2] and a[2] != b[2] and a[3] != b[3]
+    assert cache.page_keys("acme", tokens, 2) != a[:2]  # namespace keys differ from a tenant's
