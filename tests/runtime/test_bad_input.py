@@ -133,6 +133,7 @@ def test_bad_request_raises_a_typed_error_and_registers_nothing(engine, case):
     check_error(case, info.value)
     assert engine.requests == {"good-0": holder}
     assert list(engine.scheduler.waiting) == [holder]
+    engine.prefix_cache.clear()
     assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
@@ -206,6 +207,7 @@ def test_failing_step_fails_only_its_requests_and_the_engine_keeps_serving(
     assert doomed.error.reason == "INTERNAL"
     assert "RuntimeError" in str(doomed.error)
     assert "doomed" not in engine.requests
+    engine.prefix_cache.clear()
     assert engine.pool.num_used_pages == 0  # the failed request's pages came back
     # The bystander was not in the failed step: it runs on, unchanged.
     assert list(engine.requests) == ["bystander"]
