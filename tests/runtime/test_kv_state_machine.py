@@ -366,8 +366,9 @@ class SaltlessPrefixCache(PrefixCache):
     """Forgets the tenant's salt: one tenant's prompt hits another tenant's pages."""
 
     def page_keys(self, salt: str, token_ids: list[int], num_pages: int,
-                  known: list[bytes] | None = None) -> list[bytes]:
-        return super().page_keys("", token_ids, num_pages, known)
+                  known: list[bytes] | None = None,
+                  shared: tuple[str, int] | None = None) -> list[bytes]:
+        return super().page_keys("", token_ids, num_pages, known, shared)
 
 
 class LeakyScheduler(Scheduler):
