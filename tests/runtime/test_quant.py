@@ -1,0 +1,114 @@
+"""Serving formats as tensor functions: round trips within stated bounds, exact packing, no NaN
+or inf on outliers, and clear errors naming the tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.errors import InvalidArgument
+from runtime.quant import (
+    FP8_MAX,
+    decode_e4m3_bits,
+    dequantize_fp8_kv,
+    dequantize_fp8_per_channel,
+    dequantize_int4_groupwise,
+    pack_int4,
+    quantize_fp8_kv,
+    quantize_fp8_per_channel,
+    quantize_int4_groupwise,
+    unpack_int4,
+)
+
+
+def weights(out_dim=96, in_dim=256, seed=0):
+    return torch.randn(out_dim, in_dim, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_round_trip_error_is_within_half_a_step_per_group(group_size, symmetric):
+    w = weights()
+    codes, scale, zeros = quantize_int4_groupwise(w, group_size, symmetric)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    assert (zeros is None) == symmetric
+    back = dequantize_int4_groupwise(codes, scale, zeros)
+    err = (back - w).abs().reshape(w.shape[0], -1, group_size)
+    # symmetric clamps to [-8, 7] steps; amax maps to 7 exactly, so half a step bounds all
+    assert bool((err <= scale[..., None] * 0.5 + 1e-6).all())
+    assert float(err.mean()) < float(scale.mean()) * 0.3
+
+
+def test_int4_asymmetric_beats_symmetric_on_one_sided_weights():
+    w = weights().abs()
+    sym = dequantize_int4_groupwise(*quantize_int4_groupwise(w, 64, True))
+    asym = dequantize_int4_groupwise(*quantize_int4_groupwise(w, 64, False))
+    assert (asym - w).pow(2).mean() < (sym - w).pow(2).mean()
+
+
+@pytest.mark.parametrize("container", [torch.int32, torch.uint8])
+def test_int4_packing_round_trips_exactly(container):
+    codes = torch.randint(0, 16, (7, 64), dtype=torch.uint8)
+    packed = pack_int4(codes, container)
+    assert packed.dtype == container
+    assert packed.shape == (7, 64 // (8 if container is torch.int32 else 2))
+    assert torch.equal(unpack_int4(packed), codes)
+
+
+def test_int4_bytes_are_under_a_third_of_bf16_with_g128_scales():
+    w = weights(576, 1536)
+    codes, scale, _ = quantize_int4_groupwise(w, 128)
+    packed = pack_int4(codes)
+    int4_bytes = packed.numel() * 4 + scale.numel() * 2  # bf16 scales, as runtime/formats.py
+    assert int4_bytes <= 0.32 * w.numel() * 2
+
+
+def test_group_size_that_does_not_divide_names_the_tensor():
+    with pytest.raises(InvalidArgument, match=r"model\.layers\.3\.mlp\.down_proj\.weight"):
+        quantize_int4_groupwise(weights(8, 96), 64, name="model.layers.3.mlp.down_proj.weight")
+    with pytest.raises(InvalidArgument, match="group size"):
+        quantize_int4_groupwise(weights(8, 96), 48)
+
+
+def test_fp8_per_channel_round_trip_is_within_e4m3_precision():
+    w = weights()
+    q, scale = quantize_fp8_per_channel(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (w.shape[0],)
+    back = dequantize_fp8_per_channel(q, scale)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 for normal values
+    assert bool(((back - w).abs() <= w.abs() * 2**-4 + scale[:, None] * 2**-6).all())
+
+
+def test_fp8_kv_survives_outliers_zeros_and_non_finite_values():
+    x = torch.randn(5, 3, 64)
+    x[0, 1, 7] = 1e6  # an outlier only costs its own token and head
+    x[2] = 0.0
+    x[3, 0, 0] = float("inf")
+    x[4, 2, 5] = float("nan")
+    q, scale = quantize_fp8_kv(x)
+    back = dequantize_fp8_kv(q, scale)
+    assert scale.dtype == torch.bfloat16 and scale.shape == (5, 3)
+    assert bool(torch.isfinite(back).all())
+    assert torch.equal(back[2], torch.zeros(3, 64))
+    clean = torch.ones(5, 3, dtype=torch.bool)
+    clean[0, 1] = clean[3, 0] = clean[4, 2] = False
+    err = (back - x).abs()[clean]
+    assert float(err.max()) <= float(x.abs()[clean].max()) * 2**-3
+    assert abs(float(back[0, 1, 7]) - 1e6) <= 1e6 * 2**-3
+
+
+def test_fp8_kv_keeps_at_least_1_9x_the_tokens_of_bf16_per_byte():
+    head_dim = 64
+    bf16_bytes = head_dim * 2
+    fp8_bytes = head_dim * 1 + 2  # one bf16 scale per token per head
+    assert bf16_bytes / fp8_bytes >= 1.9
+
+
+def test_e4m3_bit_decode_is_exact_for_every_finite_byte():
+    raw = torch.arange(256, dtype=torch.uint8)
+    q = raw.view(torch.float8_e4m3fn)
+    want = q.to(torch.float32)
+    finite = torch.isfinite(want)
+    assert int(finite.sum()) == 254  # 0x7F and 0xFF are NaN in e4m3fn
+    assert torch.equal(decode_e4m3_bits(q)[finite], want[finite])
+    assert float(want[finite].abs().max()) == FP8_MAX
