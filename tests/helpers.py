@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+from runtime.scheduler import Scheduler, SchedulerOutput
+from runtime.sequence import Sequence
+
+_fake_tokens = itertools.count(1000)
 
 
 def capture_logits(engine, monkeypatch) -> dict[str, list[torch.Tensor]]:
@@ -18,3 +25,18 @@ def capture_logits(engine, monkeypatch) -> dict[str, list[torch.Tensor]]:
 
     monkeypatch.setattr(engine.runner, "execute", capturing)
     return captured
+
+
+def engine_step(sched: Scheduler, stop: set[Sequence] | None = None) -> SchedulerOutput:
+    """One engine step without a model; sequences in `stop` finish when they next sample."""
+    out = sched.schedule()
+    # NOTE: `samples` reads num_computed_tokens, so it is taken before the advance (as the
+    # model runner does).
+    samplers = [item.seq for item in out.scheduled if item.samples]
+    for item in out.scheduled:
+        item.seq.num_computed_tokens += item.num_tokens
+    for seq in samplers:
+        seq.output_token_ids.append(next(_fake_tokens))
+        if len(seq.output_token_ids) >= seq.params.max_tokens or (stop and seq in stop):
+            sched.finish(seq)
+    return out

@@ -16,9 +16,9 @@ from runtime.kv.pages import PagePool
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.sequence import Sequence, SequenceStatus
+from tests.helpers import engine_step as drive_step
 
 _request_ids = itertools.count()
-_token_ids = itertools.count(1000)
 
 
 def make_seq(prompt_len: int, max_tokens: int, tenant: str) -> Sequence:
@@ -34,16 +34,8 @@ def make_scheduler(num_pages: int = 16, quota: float = 0.5, *,
 
 
 def engine_step(sched: Scheduler) -> SchedulerOutput:
-    """One engine step without a model: schedule, advance, sample a fake token, finish on
-    max_tokens; the quota holds after every step."""
-    out = sched.schedule()
-    samplers = [item.seq for item in out.scheduled if item.samples]
-    for item in out.scheduled:
-        item.seq.num_computed_tokens += item.num_tokens
-    for seq in samplers:
-        seq.output_token_ids.append(next(_token_ids))
-        if len(seq.output_token_ids) >= seq.params.max_tokens:
-            sched.finish(seq)
+    """One model-free engine step; the quota holds after every step."""
+    out = drive_step(sched)
     if sched.config.tenant_page_quota < 1.0:
         for tenant in {s.tenant for s in sched.running}:
             assert sched.tenant_pages(tenant) <= sched.quota_pages

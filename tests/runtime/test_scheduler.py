@@ -25,6 +25,7 @@ from runtime.kv.pages import PagePool
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.sequence import Sequence, SequenceStatus
+from tests.helpers import engine_step
 
 _token_ids = itertools.count(1000)
 _request_ids = itertools.count()
@@ -44,19 +45,6 @@ def make_scheduler(num_pages: int, page_size: int = 4, *, max_num_seqs: int = 64
     return scheduler_cls(config, PagePool(num_pages, page_size))
 
 
-def engine_step(sched: Scheduler, stop: set[Sequence] | None = None) -> SchedulerOutput:
-    """One engine step without a model; sequences in `stop` finish when they next sample."""
-    out = sched.schedule()
-    # NOTE: `samples` reads num_computed_tokens, so it is taken before the advance (as the
-    # model runner does).
-    samplers = [item.seq for item in out.scheduled if item.samples]
-    for item in out.scheduled:
-        item.seq.num_computed_tokens += item.num_tokens
-    for seq in samplers:
-        seq.output_token_ids.append(next(_token_ids))
-        if len(seq.output_token_ids) >= seq.params.max_tokens or (stop and seq in stop):
-            sched.finish(seq)
-    return out
 
 
 def scheduled_tokens(out: SchedulerOutput) -> list[tuple[str, int]]:
