@@ -1,0 +1,68 @@
+"""Proto <-> domain conversion, used only at the edges (the worker's servicer, the SDK)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway._proto.tessera.v1 import gateway_pb2 as pb
+from runtime.errors import InvalidArgument
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p",
+                    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
+
+
+@dataclass(frozen=True)
+class ServedInfo:
+    """What a worker serves: reported in every final message."""
+
+    model: str
+    revision: str
+    weights: str
+    kv_cache: str
+    worker_id: str
+
+    def to_proto(self) -> pb.ServedConfig:
+        phase = pb.PhaseFormat(weights=self.weights, kv_cache=self.kv_cache)
+        return pb.ServedConfig(model=self.model, revision=self.revision, prefill=phase,
+                               decode=phase, worker_id=self.worker_id)
+
+
+def sampling_params(opts: pb.SamplingOptions) -> SamplingParams:
+    kwargs: dict[str, Any] = {name: getattr(opts, name) for name in _OPTIONAL_FIELDS
+                              if opts.HasField(name)}
+    if "max_tokens" in kwargs and kwargs["max_tokens"] == 0:
+        raise InvalidArgument("max_tokens must be at least 1, got 0", field="max_tokens")
+    return SamplingParams(stop=tuple(opts.stop), stop_token_ids=tuple(opts.stop_token_ids),
+                          ignore_eos=opts.ignore_eos, **kwargs)
+
+
+def sampling_options(**kwargs: Any) -> pb.SamplingOptions:
+    """SDK side: keyword sampling arguments (None = engine default) to the wire message."""
+    unknown = set(kwargs) - {*_OPTIONAL_FIELDS, "stop", "stop_token_ids", "ignore_eos"}
+    if unknown:
+        raise TypeError(f"unknown sampling options: {sorted(unknown)}")
+    fields = {k: v for k, v in kwargs.items() if v is not None}
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    return pb.SamplingOptions(**fields)
+
+
+def chunk_response(out: RequestOutput) -> pb.GenerateResponse | None:
+    if not out.delta_text and not out.delta_token_ids:
+        return None
+    return pb.GenerateResponse(chunk=pb.Chunk(text=out.delta_text,
+                                              token_ids=out.delta_token_ids))
+
+
+def final_response(out: RequestOutput, served: ServedInfo) -> pb.GenerateResponse:
+    completion = out.outputs[0]
+    usage = pb.Usage(prompt_tokens=len(out.prompt_token_ids),
+                     cached_tokens=out.num_cached_tokens,
+                     completion_tokens=len(completion.token_ids))
+    stop = "" if completion.stop_reason is None else str(completion.stop_reason)
+    return pb.GenerateResponse(final=pb.Final(finish_reason=completion.finish_reason or "",
+                                              stop_reason=stop, usage=usage,
+                                              served=served.to_proto()))
