@@ -128,6 +128,14 @@ def _served(engine, model: str | None, worker_id: str) -> convert.ServedInfo:
     return convert.ServedInfo(name, engine.checkpoint.revision, weights, kv, worker_id)
 
 
+async def _exit_with_parent(stop: asyncio.Event, period_s: float = 1.0) -> None:
+    """A worker outlives no gateway: when its parent goes, it stops too."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(period_s)
+    stop.set()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m runtime.worker", description=__doc__)
     p.add_argument("--socket", required=True, help="unix socket path to listen on")
@@ -166,7 +174,9 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(_exit_with_parent(stop))
     await stop.wait()
+    watcher.cancel()
     log.info("worker stopping", worker=worker_id)
     await server.stop(grace=5)
     llm.shutdown()

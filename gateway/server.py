@@ -1,0 +1,178 @@
+"""The public gRPC server: authenticate, route to a worker pool, relay the stream, map errors.
+
+Servicers are thin: requests are forwarded to workers as worker.proto messages; every failure
+leaves through gateway.errors.to_status, so the SDK sees one ErrorInfo per status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway import metrics
+from gateway._proto.tessera.v1 import gateway_pb2 as pb
+from gateway._proto.tessera.v1 import gateway_pb2_grpc
+from gateway._proto.tessera.v1 import worker_pb2 as wpb
+from gateway.auth import ApiKeys, Tenant
+from gateway.errors import from_rpc_error, to_status
+from gateway.logs import get_logger
+from gateway.supervisor import WorkerPool
+from runtime.errors import ModelNotFound, TesseraError, WorkerLost
+
+log = get_logger("tessera.gateway")
+SESSION_KEY = "x-session-affinity"
+PREFIX_CHARS = 64  # prompts at least this long are routed to where their prefix last went
+MAX_TRANSPARENT_RETRIES = 2
+
+
+class Gateway:
+    """State shared by the servicers: pools by model id, keys, per-tenant usage totals."""
+
+    def __init__(self, pools: dict[str, WorkerPool], keys: ApiKeys,
+                 default_model: str | None = None) -> None:
+        self.pools = pools
+        self.keys = keys
+        self.default_model = default_model or next(iter(pools))
+        self.usage: dict[str, Counter[str]] = defaultdict(Counter)
+
+    def pool_for(self, tenant: Tenant, model: str) -> WorkerPool:
+        model = model or self.default_model
+        pool = self.pools.get(model)
+        if pool is None:
+            raise ModelNotFound(f"no model {model!r} is served here", model=model)
+        self.keys.authorize(tenant, model)
+        return pool
+
+    def record_usage(self, tenant: str, usage: pb.Usage) -> None:
+        totals = self.usage[tenant]
+        for kind in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+            n = getattr(usage, kind)
+            totals[kind] += n
+            metrics.TOKENS.labels(tenant, kind.removesuffix("_tokens")).inc(n)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        if request.prompt_token_ids:
+            wreq = wpb.WorkerGenerateRequest(token_ids=wpb.TokenIds(ids=request.prompt_token_ids))
+            prefix = ",".join(map(str, request.prompt_token_ids[:PREFIX_CHARS // 4]))
+        else:
+            wreq = wpb.WorkerGenerateRequest(text=request.prompt)
+            prefix = request.prompt[:PREFIX_CHARS]
+        wreq.sampling.CopyFrom(request.sampling)
+        async for resp in self._relay(request.model, wreq, prefix, context):
+            yield resp
+
+    async def Chat(self, request: pb.ChatRequest,
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        wreq = wpb.WorkerGenerateRequest(chat=wpb.ChatMessages(messages=request.messages),
+                                         sampling=request.sampling)
+        prefix = "".join(f"{m.role}:{m.content}" for m in request.messages)[:PREFIX_CHARS]
+        async for resp in self._relay(request.model, wreq, prefix, context):
+            yield resp
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        try:
+            tenant = self.gw.keys.authenticate(context.invocation_metadata())
+        except TesseraError as e:
+            await context.abort_with_status(to_status(e))
+        models = []
+        for model_id, pool in self.gw.pools.items():
+            if not tenant.may_use(model_id):
+                continue
+            ready = pool.ready()
+            status = next((w.status for w in ready if w.status is not None), None)
+            models.append(pb.ModelInfo(
+                id=model_id, ready_workers=len(ready),
+                revision=status.served.revision if status else "",
+                max_model_len=status.max_model_len if status else 0))
+        return pb.ListModelsResponse(models=models)
+
+    async def _relay(self, model: str, wreq: wpb.WorkerGenerateRequest, prefix: str,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        rid = f"req-{uuid.uuid4().hex[:16]}"
+        start = time.perf_counter()
+        bound = log.bind(request_id=rid)
+        reason = "OK"
+        try:
+            tenant = self.gw.keys.authenticate(context.invocation_metadata())
+            bound = bound.bind(tenant=tenant.name)
+            pool = self.gw.pool_for(tenant, model)
+            model = pool.config.model_id
+            session = dict(context.invocation_metadata() or ()).get(SESSION_KEY) or None
+            prefix_key = None
+            if session is None and len(prefix) >= PREFIX_CHARS:
+                prefix_key = hashlib.blake2b(f"{tenant.name}\0{prefix}".encode(),
+                                             digest_size=16).hexdigest()
+            wreq.request_id, wreq.tenant = rid, tenant.name
+            streamed = False
+            for attempt in range(MAX_TRANSPARENT_RETRIES + 1):
+                worker = await pool.acquire(session, prefix_key, context.time_remaining())
+                bound = bound.bind(worker=worker.id)
+                call = worker.stub.Generate(wreq, timeout=context.time_remaining())
+                try:
+                    last = None
+                    async for resp in call:
+                        now = time.perf_counter()
+                        if resp.HasField("chunk"):
+                            hist = metrics.ITL if streamed else metrics.TTFT
+                            hist.labels(model).observe(now - (last or start))
+                            streamed, last = True, now
+                        else:
+                            self.gw.record_usage(tenant.name, resp.final.usage)
+                        yield resp
+                    break
+                except grpc.aio.AioRpcError as e:
+                    err = from_rpc_error(e)
+                    if isinstance(err, WorkerLost) and not streamed \
+                            and attempt < MAX_TRANSPARENT_RETRIES:
+                        bound.warning("worker lost before the first token; retrying")
+                        continue
+                    raise err from None
+                finally:
+                    call.cancel()  # a no-op once finished; aborts the worker's request otherwise
+                    await pool.release(worker)
+        except TesseraError as e:
+            reason = e.reason
+            bound.info("request failed", reason=e.reason, error=e.message)
+            await context.abort_with_status(to_status(e))
+        except asyncio.CancelledError:
+            reason = "CANCELLED"
+            raise
+        except Exception as e:  # never leak a traceback to the client
+            reason = "INTERNAL"
+            bound.exception("request failed")
+            await context.abort_with_status(to_status(e))
+        finally:
+            metrics.REQUESTS.labels(model or "?", reason).inc()
+            bound.info("request done", reason=reason,
+                       elapsed_s=round(time.perf_counter() - start, 4))
+
+
+async def build_server(gateway: Gateway, host: str = "127.0.0.1",
+                       port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """A started-ready (not yet started) server with the gateway, health and reflection."""
+    server = grpc.aio.server()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    name = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
+    for service in ("", name):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                        server)
+    bound_port = server.add_insecure_port(f"{host}:{port}")
+    return server, bound_port

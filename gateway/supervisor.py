@@ -1,0 +1,262 @@
+"""Worker processes per model: spawn on demand, wait for health, keep min/max, reap idle ones,
+recycle old ones by draining, restart crashed ones with backoff. Each pool admits requests
+through a bounded queue; past it, OVERLOADED with a retry hint."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway import metrics
+from gateway.logs import get_logger
+from gateway.router import Router
+from gateway.worker_handle import WorkerHandle
+from runtime.errors import DeadlineExceeded, InvalidArgument, Overloaded, WorkerLost
+
+log = get_logger("tessera.supervisor")
+# The checkout holding runtime/ and gateway/: workers import from it whatever their cwd.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    model_id: str
+    model_path: str | None = None  # None: the embedded default model
+    min_workers: int = 1
+    max_workers: int = 2
+    max_inflight: int = 16  # per worker
+    max_queue: int = 64  # requests waiting for a worker, per pool
+    kv_cache_bytes: int = 256 << 20
+    idle_ttl_s: float | None = None  # reap workers idle this long, down to min_workers
+    recycle_after_requests: int | None = None
+    recycle_after_s: float | None = None
+    start_timeout_s: float = 180.0
+    restart_backoff_s: float = 0.5
+    max_restart_backoff_s: float = 30.0
+    worker_args: tuple[str, ...] = ()
+    worker_env: tuple[tuple[str, str], ...] = (("TESSERA_NUM_THREADS", "1"),)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_workers <= self.max_workers or self.max_workers < 1:
+            raise InvalidArgument("need 0 <= min_workers <= max_workers, max_workers >= 1",
+                                  field="min_workers")
+        if self.max_inflight < 1 or self.max_queue < 0:
+            raise InvalidArgument("max_inflight must be >= 1 and max_queue >= 0",
+                                  field="max_inflight")
+
+
+@dataclass
+class PoolStats:
+    spawned: int = 0
+    crashed: int = 0
+    reaped: int = 0
+    recycled: int = 0
+    cold_starts_s: list[float] = field(default_factory=list)
+
+
+class WorkerPool:
+    def __init__(self, config: PoolConfig, run_dir: str | None = None) -> None:
+        self.config = config
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix="tessera-")
+        self.router = Router()
+        self.workers: dict[str, WorkerHandle] = {}
+        self.stats = PoolStats()
+        self.waiting = 0
+        self._changed = asyncio.Condition()
+        self._seq = 0
+        self._consecutive_crashes = 0
+        self._next_spawn_at = 0.0
+        self._closed = False
+        self._maintainer: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- admission ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._maintainer = asyncio.create_task(self._maintain())
+        await self._ensure_min()
+
+    def live(self) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.state in ("starting", "ready", "draining")]
+
+    def ready(self) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.state == "ready"]
+
+    async def acquire(self, session: str | None = None, prefix_key: str | None = None,
+                      timeout_s: float | None = None) -> WorkerHandle:
+        """A worker with a free slot for one request; release() it when the request ends."""
+        wait_s = self.config.start_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait_s
+        queued = False
+        try:
+            async with self._changed:
+                while True:
+                    routable = [w for w in self.workers.values() if w.state != "stopped"]
+                    worker = self.router.pick(routable, session, prefix_key)
+                    if worker is not None:
+                        assert isinstance(worker, WorkerHandle)
+                        worker.inflight += 1
+                        worker.last_used = time.monotonic()
+                        return worker
+                    self._scale_up()
+                    if not queued:
+                        if self.waiting >= self.config.max_queue:
+                            metrics.REJECTED.labels(self.config.model_id).inc()
+                            raise Overloaded(f"model {self.config.model_id!r} is at capacity; "
+                                             f"retry shortly", retry_after_s=1,
+                                             model=self.config.model_id)
+                        queued = True
+                        self.waiting += 1
+                        metrics.QUEUE_DEPTH.labels(self.config.model_id).set(self.waiting)
+                    left = deadline - time.monotonic()
+                    if left <= 0 and timeout_s is not None:
+                        raise DeadlineExceeded("deadline passed while waiting for a worker")
+                    if left <= 0:
+                        raise Overloaded(f"no worker of {self.config.model_id!r} became free "
+                                         f"in {wait_s:.0f} s", retry_after_s=1)
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+                    except TimeoutError:
+                        pass
+                    if self._closed:
+                        raise WorkerLost("the gateway is shutting down")
+        finally:
+            if queued:
+                self.waiting -= 1
+                metrics.QUEUE_DEPTH.labels(self.config.model_id).set(self.waiting)
+
+    async def release(self, worker: WorkerHandle) -> None:
+        worker.inflight -= 1
+        worker.requests_served += 1
+        worker.last_used = time.monotonic()
+        limit = self.config.recycle_after_requests
+        if worker.state == "ready" and limit is not None and worker.requests_served >= limit:
+            self._begin_drain(worker, "recycle")
+        if worker.state == "draining" and worker.inflight == 0:
+            self._background(self._retire(worker))
+        await self._notify()
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _scale_up(self) -> None:
+        live = self.live()
+        starting = sum(1 for w in live if w.state == "starting")
+        if (len(live) < self.config.max_workers and starting == 0
+                and time.monotonic() >= self._next_spawn_at and not self._closed):
+            self._spawn()
+
+    def _spawn(self) -> WorkerHandle:
+        self._seq += 1
+        wid = f"{self.config.model_id}-{self._seq}"
+        worker = WorkerHandle(wid, os.path.join(self.run_dir, f"w{self._seq}.sock"),
+                              self.config.max_inflight)
+        self.workers[wid] = worker
+        self.stats.spawned += 1
+        self._background(self._run(worker))
+        return worker
+
+    def _command(self, worker: WorkerHandle) -> list[str]:
+        cmd = [sys.executable, "-m", "runtime.worker", "--socket", worker.socket_path,
+               "--worker-id", worker.id, "--kv-cache-bytes", str(self.config.kv_cache_bytes),
+               "--max-num-seqs", str(self.config.max_inflight)]
+        if self.config.model_path is not None:
+            cmd += ["--model", self.config.model_path]
+        return cmd + list(self.config.worker_args)
+
+    async def _run(self, worker: WorkerHandle) -> None:
+        """Start one worker, wait for health, then watch it until it exits."""
+        env = {**os.environ, **dict(self.config.worker_env)}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+        try:
+            await worker.launch(self._command(worker), env, self.config.start_timeout_s)
+        except Exception as e:
+            log.warning("worker failed to start", worker=worker.id, error=str(e))
+        if worker.state == "ready":
+            self.stats.cold_starts_s.append(worker.cold_start_s)
+            metrics.COLD_START.labels(self.config.model_id).observe(worker.cold_start_s)
+            self._consecutive_crashes = 0
+            log.info("worker ready", worker=worker.id, pid=worker.pid,
+                     cold_start_s=round(worker.cold_start_s, 3))
+        await self._notify()
+        code = await worker.wait_exit()
+        if worker.state != "stopped":  # nobody asked it to exit
+            self._on_crash(worker, code)
+        self.workers.pop(worker.id, None)
+        self._update_gauges()
+        await self._notify()
+
+    def _on_crash(self, worker: WorkerHandle, code: int | None) -> None:
+        worker.state = "stopped"
+        self.stats.crashed += 1
+        self._consecutive_crashes += 1
+        backoff = min(self.config.restart_backoff_s * 2 ** (self._consecutive_crashes - 1),
+                      self.config.max_restart_backoff_s)
+        self._next_spawn_at = time.monotonic() + backoff
+        log.warning("worker exited unexpectedly", worker=worker.id, exit_code=code,
+                    restart_in_s=backoff, inflight=worker.inflight)
+
+    def _begin_drain(self, worker: WorkerHandle, why: str) -> None:
+        worker.state = "draining"
+        if why == "recycle":
+            self.stats.recycled += 1
+        log.info("draining worker", worker=worker.id, why=why,
+                 requests_served=worker.requests_served)
+
+    async def _retire(self, worker: WorkerHandle) -> None:
+        worker.state = "stopped"
+        await worker.terminate()
+        await self._ensure_min()
+
+    async def _ensure_min(self) -> None:
+        while (len(self.live()) < self.config.min_workers and not self._closed
+               and time.monotonic() >= self._next_spawn_at):
+            self._spawn()
+
+    async def _maintain(self, period_s: float = 0.25) -> None:
+        while not self._closed:
+            await asyncio.sleep(period_s)
+            now = time.monotonic()
+            cfg = self.config
+            for w in self.ready():
+                idle = w.inflight == 0 and now - w.last_used >= (cfg.idle_ttl_s or float("inf"))
+                if idle and len(self.live()) > cfg.min_workers:
+                    self.stats.reaped += 1
+                    self._begin_drain(w, "idle")
+                elif cfg.recycle_after_s is not None and now - w.ready_at >= cfg.recycle_after_s:
+                    self._begin_drain(w, "recycle")
+                if w.state == "draining" and w.inflight == 0:
+                    await self._retire(w)
+            await self._ensure_min()
+            self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        for state in ("starting", "ready", "draining"):
+            n = sum(1 for w in self.workers.values() if w.state == state)
+            metrics.WORKERS.labels(self.config.model_id, state).set(n)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._maintainer is not None:
+            self._maintainer.cancel()
+        workers: Sequence[WorkerHandle] = list(self.workers.values())
+        for w in workers:
+            w.state = "stopped"
+        await asyncio.gather(*(w.terminate() for w in workers), return_exceptions=True)
+        await self._notify()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=10)

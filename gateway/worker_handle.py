@@ -1,0 +1,107 @@
+"""The gateway's handle on one worker process: its process, unix-socket channel and load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+import grpc
+
+from gateway._proto.tessera.v1 import worker_pb2 as wpb
+from gateway._proto.tessera.v1 import worker_pb2_grpc
+from gateway.convert import ServedInfo
+from runtime.errors import WorkerLost
+
+
+class WorkerHandle:
+    def __init__(self, worker_id: str, socket_path: str, max_inflight: int) -> None:
+        self.id = worker_id
+        self.socket_path = socket_path
+        self.max_inflight = max_inflight
+        self.state = "starting"  # starting -> ready -> draining -> stopped
+        self.inflight = 0
+        self.requests_served = 0
+        self.started_at = time.monotonic()
+        self.ready_at = 0.0
+        self.last_used = self.started_at
+        self.process: asyncio.subprocess.Process | None = None
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: worker_pb2_grpc.WorkerStub | None = None
+        self.status: wpb.StatusResponse | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.state == "ready" and self.inflight < self.max_inflight
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def cold_start_s(self) -> float:
+        return self.ready_at - self.started_at
+
+    @property
+    def served(self) -> ServedInfo | None:
+        if self.status is None:
+            return None
+        s = self.status.served
+        return ServedInfo(s.model, s.revision, s.decode.weights, s.decode.kv_cache, s.worker_id)
+
+    async def launch(self, command: list[str], env: dict[str, str], timeout_s: float) -> None:
+        """Start the process and return once its Health RPC says it serves."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        self.process = await asyncio.create_subprocess_exec(
+            *command, env=env, stdin=asyncio.subprocess.DEVNULL)
+        self.channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}")
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        deadline = self.started_at + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.returncode is not None or self.state == "stopped":
+                raise WorkerLost(f"worker {self.id} exited during start",
+                                 exit_code=self.process.returncode)
+            if os.path.exists(self.socket_path):
+                try:
+                    health = await self.stub.Health(wpb.HealthRequest(), timeout=2)
+                    if health.serving:
+                        self.status = await self.stub.Status(wpb.StatusRequest(), timeout=10)
+                        if self.state == "starting":
+                            self.ready_at = time.monotonic()
+                            self.state = "ready"
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+            await asyncio.sleep(0.1)
+        self.kill()
+        raise WorkerLost(f"worker {self.id} not healthy after {timeout_s:.0f} s")
+
+    async def wait_exit(self) -> int | None:
+        if self.process is None:
+            return None
+        code = await self.process.wait()
+        if self.channel is not None:
+            await self.channel.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        return code
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+
+    async def terminate(self, grace_s: float = 10.0) -> None:
+        """SIGTERM (the worker drains its server), SIGKILL past the grace period."""
+        proc = self.process
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            self.kill()
+            await proc.wait()
