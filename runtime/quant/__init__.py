@@ -1,6 +1,7 @@
-"""Serving formats as pure tensor functions: FP8 e4m3 and INT4 group-wise (quantize, dequantize,
-pack). Modules holding packed weights and the model converter build on these."""
+"""Serving formats in three layers: pure tensor functions (FP8 e4m3, INT4 group-wise), linear
+modules holding packed weights (`linear.py`), and the model converter (`convert.py`)."""
 
+from runtime.quant.convert import convert_model, linear_weight_bytes
 from runtime.quant.fp8 import (
     FP8_MAX,
     decode_e4m3_bits,
@@ -15,16 +16,22 @@ from runtime.quant.int4 import (
     quantize_int4_groupwise,
     unpack_int4,
 )
+from runtime.quant.linear import Fp8Linear, Int4Linear, quantize_int4_packed
 
 __all__ = [
     "FP8_MAX",
+    "Fp8Linear",
+    "Int4Linear",
+    "convert_model",
     "decode_e4m3_bits",
     "dequantize_fp8_kv",
     "dequantize_fp8_per_channel",
     "dequantize_int4_groupwise",
+    "linear_weight_bytes",
     "pack_int4",
     "quantize_fp8_kv",
     "quantize_fp8_per_channel",
     "quantize_int4_groupwise",
+    "quantize_int4_packed",
     "unpack_int4",
 ]

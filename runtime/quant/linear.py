@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.quant.fp8 import decode_e4m3_bits, quantize_fp8_per_channel
-from runtime.quant.int4 import pack_int4, quantize_int4_groupwise, unpack_int4
+from runtime.quant.int4 import quantize_int4_groupwise
 
 _KERNEL_BLOCK_N = 64  # rows interleaved per block in torch's CPU int4pack layout (AVX512 build)
 
@@ -92,7 +92,7 @@ class Int4Linear(nn.Module):
             use_kernel = _kernel_fits(self.out_features, in_features, weight_packed.device)
         self.layout = "rows"
         if use_kernel:
-            weight_packed = _to_kernel_layout(unpack_int4(weight_packed))
+            weight_packed = _to_kernel_layout(_unpack_rows(weight_packed))
             self.layout = "cpu_int4pack"
         self.register_buffer("weight_packed", weight_packed)
         self.register_buffer("weight_scale", weight_scale)
@@ -111,18 +111,18 @@ class Int4Linear(nn.Module):
         """uint8 [out, in] in 0..15, whatever the storage layout."""
         if self.layout == "cpu_int4pack":
             return _from_kernel_layout(self.weight_packed)
-        return unpack_int4(self.weight_packed)[:, : self.in_features]
+        return _unpack_rows(self.weight_packed)[:, : self.in_features]
 
     def zeros(self) -> torch.Tensor | None:
         if self.weight_zero_point is None:
             return None
         n = self.out_features * self.num_groups
-        return unpack_int4(self.weight_zero_point)[:n].view(self.out_features, self.num_groups)
+        return _unpack_rows(self.weight_zero_point)[:n].view(self.out_features, self.num_groups)
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         """The checkpoint form (row layout), bit-identical to `quantize_int4_packed`."""
         out = {"weight_packed": self.weight_packed if self.layout == "rows"
-               else pack_int4(self.codes(), torch.uint8), "weight_scale": self.weight_scale}
+               else _pack_rows(self.codes()), "weight_scale": self.weight_scale}
         if self.weight_zero_point is not None:
             out["weight_zero_point"] = self.weight_zero_point
         return out
@@ -178,11 +178,11 @@ def quantize_int4_packed(weight: torch.Tensor, group_size: int, symmetric: bool,
     codes = codes[:, :in_dim]
     if in_dim % 2:
         codes = F.pad(codes, (0, 1))
-    tensors = {"weight_packed": pack_int4(codes, torch.uint8),
+    tensors = {"weight_packed": _pack_rows(codes),
                "weight_scale": scale.to(torch.bfloat16)}
     if zeros is not None:
         flat = zeros.flatten()
-        tensors["weight_zero_point"] = pack_int4(F.pad(flat, (0, flat.numel() % 2)), torch.uint8)
+        tensors["weight_zero_point"] = _pack_rows(F.pad(flat, (0, flat.numel() % 2)))
     return tensors
 
 
@@ -196,6 +196,15 @@ def _fp8_dequant_fn():
 
 def _fp8_dequant_compiled(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return _fp8_dequant_fn()(q, scale)
+
+
+def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
+    """`pack_int4(codes, torch.uint8)` in two uint8 ops instead of int64 arithmetic."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
 def _kernel_group_size(in_features: int, group_size: int) -> int:
