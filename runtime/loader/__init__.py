@@ -11,6 +11,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.errors import ModelNotFound
+from runtime.formats import WeightFormat
 from runtime.tokenizer import Tokenizer
 
 
@@ -20,6 +21,7 @@ class Checkpoint(abc.ABC):
     tokenizer: Tokenizer
     path: Path
     revision: str  # names the exact weights served (file name and size, or config hash)
+    quantization: WeightFormat | None = None  # how the projections are stored (config.json)
 
     @abc.abstractmethod
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,6 +12,7 @@ import torch
 from runtime.config import ModelConfig
 from runtime.errors import ModelLoadError, ModelNotFound
 from runtime.loader import Checkpoint
+from runtime.loader.quantized import parse_quantization_config
 from runtime.tokenizer import Tokenizer
 
 
@@ -35,7 +36,8 @@ class HFCheckpoint(Checkpoint):
         if not files:
             raise ModelLoadError(f"{path} has no *.safetensors files", path=path)
         ckpt = cls(ModelConfig.from_hf_config(cfg), Tokenizer.from_hf_dir(path), path,
-                   f"{path.name}@{hashlib.sha256(raw).hexdigest()[:12]}")
+                   f"{path.name}@{hashlib.sha256(raw).hexdigest()[:12]}",
+                   parse_quantization_config(cfg))
         ckpt.files = files
         return ckpt
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from runtime.config import ModelConfig
 from runtime.errors import ModelLoadError
+from runtime.formats import WeightFormat
 from runtime.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
 
 # checkpoint suffix -> (our parameter suffix, shard index in the fused tensor)
@@ -103,8 +104,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
-        """Assign checkpoint tensors (HF names) to this meta-device module, fusing shards."""
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                     quantization: WeightFormat | None = None) -> None:
+        """Assign checkpoint tensors (HF names) to this meta-device module, fusing shards. With
+        an fp8/int4 `quantization`, projections are built from their packed tensors as stored."""
+        built: tuple[str, ...] = ()  # projections already built from packed tensors
+        if quantization is not None and quantization.name in ("fp8", "int4"):
+            from runtime.loader.quantized import load_quantized_projections
+
+            tensors, built = load_quantized_projections(self, tensors, dtype, quantization)
         state: dict[str, torch.Tensor] = {}
         shards: dict[str, dict[int, torch.Tensor]] = {}
         for name, tensor in tensors:
@@ -124,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings or "lm_head.weight" not in state:
             if "model.embed_tokens.weight" in state:
                 state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        expected = {k: v.shape for k, v in self.state_dict().items()}
+        expected = {k: v.shape for k, v in self.state_dict().items() if not k.startswith(built)}
         missing = sorted(set(expected) - set(state))
         if missing:
             raise ModelLoadError(f"checkpoint is missing tensor {missing[0]} "
@@ -135,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
             if tuple(tensor.shape) != tuple(expected[key]):
                 raise ModelLoadError(f"tensor {key} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(expected[key])}", tensor=key)
-        self.load_state_dict(state, assign=True, strict=True)
+        self.load_state_dict(state, assign=True, strict=not built)
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,0 +1,153 @@
+"""`tessera convert`: write a GGUF file or Hugging Face directory as a safetensors checkpoint whose
+projections are FP8 or INT4 (packed, with scales), described by config.json's
+`quantization_config`, which the loader reads back without re-quantizing.
+
+    python -m runtime.cli_convert --weights int4 --group-size 128 SRC DST
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.errors import InvalidArgument, TesseraError
+from runtime.formats import WeightFormat
+from runtime.loader import Checkpoint, open_checkpoint
+from runtime.loader.quantized import quantization_config
+from runtime.quant.convert import (
+    check_architecture,
+    is_quantized_checkpoint_weight,
+    quantize_checkpoint_tensor,
+)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "generation_config.json")
+_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightFormat,
+                       dtype: torch.dtype | None = None,
+                       partial_groups: bool = True) -> tuple[int, int]:
+    """Write `src` to the directory `dst` in `fmt`; returns (source bytes, destination bytes).
+    Unquantized tensors keep a safetensors source's dtype unless `dtype` is given; a GGUF's come
+    dequantized to float32 (never its storage type) and are written as bfloat16 by default."""
+    from safetensors.torch import save_file
+
+    if fmt.name not in ("fp8", "int4"):
+        raise InvalidArgument(f"convert writes fp8 or int4 weights, not {fmt.name}",
+                              field="weights")
+    ckpt = open_checkpoint(src)
+    check_architecture(ckpt.config.architecture)
+    if dtype is None and ckpt.path.is_file():
+        dtype = torch.bfloat16
+    out = Path(dst)
+    if out.exists() and any(out.iterdir()):
+        raise InvalidArgument(f"destination {out} exists and is not empty", field="dst")
+    tensors: dict[str, torch.Tensor] = {}
+    not_quantized = {"lm_head"}
+    for name, tensor in ckpt.tensors():
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if is_quantized_checkpoint_weight(name):
+            tensors.update(quantize_checkpoint_tensor(name, tensor, fmt, partial_groups))
+        else:
+            tensors[name] = tensor if dtype is None else tensor.to(dtype)
+            not_quantized.add(name.rpartition(".")[0])
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = _hf_config(ckpt)
+    config["quantization_config"] = quantization_config(fmt, _collapse(not_quantized))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_tokenizer(ckpt, out)
+    return _size(ckpt.path), _size(out)
+
+
+def _collapse(modules: set[str]) -> list[str]:
+    """model.layers.3.input_layernorm -> input_layernorm: one entry per kind of module."""
+    return sorted({m if not m.startswith("model.layers.") else m.split(".", 3)[3]
+                   for m in modules})
+
+
+def _hf_config(ckpt: Checkpoint) -> dict[str, Any]:
+    if ckpt.path.is_dir():
+        return json.loads((ckpt.path / "config.json").read_text())
+    c = ckpt.config
+    eos = list(c.eos_token_ids)
+    return {"architectures": [c.architecture], "model_type": "llama",
+            "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "rope_scaling": c.rope_scaling, "max_position_embeddings": c.max_position_embeddings,
+            "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias,
+            "bos_token_id": c.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
+            "hidden_act": "silu"}
+
+
+def _write_tokenizer(ckpt: Checkpoint, out: Path) -> None:
+    if ckpt.path.is_dir():
+        for name in _TOKENIZER_FILES:
+            if (ckpt.path / name).is_file():
+                shutil.copyfile(ckpt.path / name, out / name)
+        return
+    tok = ckpt.tokenizer
+    tok.backend.save(str(out / "tokenizer.json"))
+    cfg = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
+           "chat_template": tok.chat_template, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def add_convert_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("convert", help="write a checkpoint with fp8 or int4 projections")
+    p.add_argument("src", nargs="?", default=None,
+                   help="GGUF file or HF safetensors directory (default: the embedded SmolLM2)")
+    p.add_argument("dst", help="new directory for the converted checkpoint")
+    p.add_argument("--weights", required=True, choices=["int4", "fp8"])
+    p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
+    p.add_argument("--asymmetric", action="store_true", help="int4 with a zero point per group")
+    p.add_argument("--dtype", default="auto", choices=list(_DTYPES),
+                   help="dtype of unquantized tensors (default: as in a safetensors source, "
+                        "bfloat16 from GGUF)")
+    p.add_argument("--strict-groups", action="store_true",
+                   help="refuse an input dimension the group size does not divide, instead of "
+                        "a shorter last group")
+    p.set_defaults(fn=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    fmt = WeightFormat.parse(args.weights, args.group_size, not args.asymmetric)
+    src_bytes, dst_bytes = convert_checkpoint(args.src, args.dst, fmt, _DTYPES[args.dtype],
+                                              partial_groups=not args.strict_groups)
+    print(f"{fmt.label}: source {src_bytes:,} bytes -> {args.dst} {dst_bytes:,} bytes "
+          f"({dst_bytes / src_bytes:.2f}x)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tessera")
+    add_convert_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["convert", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.fn(args))
+    except TesseraError as e:
+        print(f"error: {e.reason}: {e.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
