@@ -73,16 +73,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return request.text
 
     async def _inject_fault(self, request_id: str) -> None:
-        """Operator drill (--fault-tenant): bump a page tag under this tenant's live request."""
+        """Operator drill (--fault-tenant): corrupt this tenant's live request's page table
+        (first and last entries swapped; a prompt of two pages or more) so the integrity check
+        must catch it. Nothing leaks: the pages it recorded are still the ones it releases."""
         from runtime.faults import FaultInjector
 
-        def bump() -> None:
+        def swap() -> None:
             try:
-                FaultInjector(self.engine).bump_tag(request_id)
+                FaultInjector(self.engine).swap_entries(request_id, 0, -1)
             except LookupError:
                 pass  # already finished
 
-        await self.llm.call(bump)
+        await self.llm.call(swap)
 
     async def Abort(self, request: wpb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> wpb.AbortResponse:
@@ -148,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tenant-page-quota", type=float, default=1.0)
     p.add_argument("--integrity", default="tags", choices=["tags", "off"])
     p.add_argument("--fault-tenant", default=None,
-                   help="drills only: corrupt a page tag under each request of this tenant")
+                   help="drills only: corrupt the page table of each request of this tenant")
     return p.parse_args(argv)
 
 

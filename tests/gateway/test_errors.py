@@ -1,0 +1,133 @@
+"""Every error reason, produced through the real gateway, arrives at the SDK as its class."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gateway.client import (
+    NO_RETRY,
+    Client,
+    ContextLengthExceeded,
+    DeadlineExceeded,
+    InvalidArgument,
+    KVIntegrityViolation,
+    ModelNotFound,
+    Overloaded,
+    PermissionDenied,
+    RequestCancelled,
+    RetryPolicy,
+    TenantQuotaExceeded,
+    TesseraError,
+    Unauthenticated,
+)
+from tests.gateway.conftest import KEYS, MODEL, requests_drained, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def client_for(runner, tenant: str = "acme", key: str | None = None, **kw) -> Client:
+    return Client(runner.target, api_key=key or KEYS[tenant], retry=NO_RETRY, **kw)
+
+
+def expect(cls: type[TesseraError], stream) -> TesseraError:
+    with pytest.raises(cls) as info:
+        list(stream)
+    assert type(info.value) is cls
+    assert info.value.reason == cls.reason
+    return info.value
+
+
+def test_unknown_key_is_unauthenticated(two_workers) -> None:
+    with client_for(two_workers, key="not-a-key") as c:
+        expect(Unauthenticated, c.generate("Hi", max_tokens=2))
+
+
+def test_model_outside_the_tenants_list_is_permission_denied(two_workers) -> None:
+    with client_for(two_workers, "other") as c:
+        err = expect(PermissionDenied, c.generate("Hi", max_tokens=2))
+    assert err.metadata["model"] == MODEL
+
+
+def test_unknown_model_is_model_not_found(two_workers) -> None:
+    with client_for(two_workers) as c:
+        err = expect(ModelNotFound, c.generate("Hi", model="no-such-model", max_tokens=2))
+    assert err.metadata["model"] == "no-such-model"
+
+
+def test_bad_sampling_value_is_invalid_argument_with_its_field(two_workers) -> None:
+    with client_for(two_workers) as c:
+        err = expect(InvalidArgument, c.generate("Hi", max_tokens=2, temperature=-1.0))
+    assert err.metadata["field"] == "temperature"
+
+
+def test_too_long_prompt_is_context_length_exceeded(two_workers) -> None:
+    with client_for(two_workers) as c:
+        err = expect(ContextLengthExceeded, c.generate([100] * 1500, max_tokens=2))
+    assert err.metadata == {"prompt_tokens": "1500", "max_model_len": "1456"}
+
+
+def test_request_larger_than_the_tenant_quota_is_refused(two_workers) -> None:
+    with client_for(two_workers) as c:
+        err = expect(TenantQuotaExceeded, c.generate("Hi", max_tokens=1200))
+    assert err.metadata["tenant"] == "acme"
+
+
+def test_corrupted_page_mid_stream_is_kv_integrity_violation(two_workers) -> None:
+    with client_for(two_workers, "drill") as c:
+        prompt = "Tell me a long story about a dragon who guards a library of old books. " * 2
+        stream = c.generate(prompt, max_tokens=64, ignore_eos=True)
+        err = expect(KVIntegrityViolation, stream)
+    assert err.metadata["cause"] and "page_id" in err.metadata
+    assert len(stream.token_ids) < 64, "no token computed from the bad page may come out"
+    wait_for(lambda: requests_drained(two_workers), 30, "the aborted request's pages")
+
+
+def test_client_deadline_is_deadline_exceeded_and_frees_the_request(two_workers) -> None:
+    with client_for(two_workers) as c:
+        expect(DeadlineExceeded, c.generate("Count:", max_tokens=600, ignore_eos=True,
+                                            timeout_s=1.0))
+    wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
+
+
+def test_client_cancel_is_cancelled_and_frees_the_request(two_workers) -> None:
+    with client_for(two_workers) as c:
+        stream = c.generate("Count:", max_tokens=600, ignore_eos=True)
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        stream.cancel()
+        with pytest.raises(RequestCancelled):
+            next(chunks)
+    wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
+
+
+def test_full_pool_is_overloaded_with_a_retry_hint(two_workers) -> None:
+    pool = two_workers.gateway.pools[MODEL]
+    config = pool.config
+    pool.config = replace(config, max_queue=0)
+    for w in pool.ready():
+        w.max_inflight = 1
+    holders = []
+    try:
+        with client_for(two_workers) as c:
+            for _ in range(2):  # one long request on each worker fills the pool
+                holder = c.generate("Count:", max_tokens=600, ignore_eos=True)
+                next(iter(holder))
+                holders.append(holder)
+            err = expect(Overloaded, c.generate("Hi", max_tokens=2))
+            assert float(err.metadata["retry_after_s"]) > 0
+            retried = Client(two_workers.target, api_key=KEYS["acme"],
+                             retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.05,
+                                               max_backoff_s=0.2))
+            stream = retried.generate("Hi", max_tokens=2)
+            expect(Overloaded, stream)
+            assert stream.attempts == 2
+            retried.close()
+    finally:
+        for holder in holders:
+            holder.cancel()
+        pool.config = config
+        for w in pool.workers.values():
+            w.max_inflight = config.max_inflight
+    wait_for(lambda: requests_drained(two_workers), 30, "the long requests to end")
