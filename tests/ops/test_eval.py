@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -254,40 +253,34 @@ def test_the_table_names_every_metric_and_the_verdict(tmp_path, capsys):
 
 SMALL = ["--window", "64", "--max-windows", "2", "--prompt-tokens", "16", "--max-tokens", "4",
          "--resamples", "200"]
-# NOTE: instances are reused across runs (see llm_pool); no prefix cache, so a window seen in an
-# earlier run is computed afresh, as in the first.
+# NOTE: instances are reused (see llm_pool); without the prefix cache every run computes every
+# window afresh.
 POOL = "kv_cache_bytes=16777216,max_num_seqs=4,enable_prefix_caching=false"
 
 
 @pytest.fixture(scope="module")
 def llm_pool():
-    """Real LLMs, loaded once per config and per side: a run comparing a config with itself
-    gets two separate instances, and a later run reuses them."""
+    """Real LLMs, loaded once per config: a config compared with itself is one instance on both
+    sides (the prefix cache is off, so B recomputes every window as A did)."""
     from runtime import LLM
 
     if not hasattr(LLM, "prompt_logits"):
         pytest.skip("waits for LLM.prompt_logits")
-    loaded: dict[tuple, list[Any]] = defaultdict(list)
+    loaded: dict[tuple, Any] = {}
 
-    def loader_for_one_run() -> Callable[[dict[str, Any]], Any]:
-        used: dict[tuple, int] = defaultdict(int)
+    def load(kwargs: dict[str, Any]) -> Any:
+        key = tuple(sorted(kwargs.items()))
+        if key not in loaded:
+            loaded[key] = LLM(**kwargs)
+        return loaded[key]
 
-        def load(kwargs: dict[str, Any]) -> Any:
-            key = tuple(sorted(kwargs.items()))
-            if used[key] == len(loaded[key]):
-                loaded[key].append(LLM(**kwargs))
-            used[key] += 1
-            return loaded[key][used[key] - 1]
-
-        return load
-
-    return loader_for_one_run
+    return load
 
 
 @pytest.mark.slow
 def test_the_real_model_against_itself_is_identical_and_passes(llm_pool, capsys):
     code, report = run_json(["--a", f"dtype=float32,{POOL}", "--b", f"dtype=float32,{POOL}",
-                             *SMALL, "--thresholds", "kl=0,top1=1,match=1"], capsys, llm_pool())
+                             *SMALL, "--thresholds", "kl=0,top1=1,match=1"], capsys, llm_pool)
     m = report["metrics"]
     assert code == 0 and report["passed"]
     assert report["text"]["source"] == DEFAULT_SOURCE and report["tokens"] == 2 * 63
@@ -298,7 +291,7 @@ def test_the_real_model_against_itself_is_identical_and_passes(llm_pool, capsys)
 @pytest.mark.slow
 def test_float32_against_bfloat16_differs_and_fails_a_zero_kl_threshold(llm_pool, capsys):
     code, report = run_json(["--a", f"dtype=float32,{POOL}", "--b", f"dtype=bfloat16,{POOL}",
-                             *SMALL, "--thresholds", "kl=0"], capsys, llm_pool())
+                             *SMALL, "--thresholds", "kl=0"], capsys, llm_pool)
     kl = report["metrics"]["kl"]
     assert code == 1 and not report["passed"]
     assert 0 < kl["value"] < 1.0 and report["metrics"]["top1"]["value"] > 0.5
