@@ -2,11 +2,15 @@
 
 The reference twins gather a sequence's pages into contiguous per-head context and run
 batched matmuls; query heads are grouped under their KV head (GQA) so nothing is repeated.
+Pages may be fp32/bf16/fp16, or fp8 e4m3 bytes (uint8) with one scale per (token, head):
+decode folds those scales into scores and probabilities, prefill dequantizes the context.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.kv_fp8 import gather_e4m3_rows
 
 
 def _page_rows(cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
@@ -16,46 +20,69 @@ def _page_rows(cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
     return (head_base + page_ids.reshape(1, -1)).reshape(-1)
 
 
-def _gather_pages(cache: torch.Tensor, page_ids: torch.Tensor,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
+def _gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
     # cache: [kv_heads, pages, page_size, dim]; page_ids: [..., max_pages]
-    # -> [kv_heads, ..., max_pages * page_size, dim]
+    # -> [kv_heads, ..., max_pages * page_size, dim] in `dtype` (fp8 bytes decoded, unscaled)
     # NOTE: one dim-0 index_select over whole (head, page) rows: each copy is a contiguous
     # page, ~2.5x faster on CPU than index_select along the page dimension.
     heads, pages, page_size, dim = cache.shape
-    rows = _page_rows(cache, page_ids) if rows is None else rows
-    flat = cache.view(heads * pages, page_size * dim).index_select(0, rows)
-    return flat.view(heads, *page_ids.shape[:-1], page_ids.shape[-1] * page_size, dim)
+    flat = cache.view(heads * pages, page_size * dim)
+    if cache.dtype == torch.uint8:
+        out = gather_e4m3_rows(flat, rows).to(dtype)
+    else:
+        out = flat.index_select(0, rows).to(dtype)
+    return out.view(heads, *page_ids.shape[:-1], page_ids.shape[-1] * page_size, dim)
+
+
+def _gather_scales(scale: torch.Tensor, page_ids: torch.Tensor,
+                   rows: torch.Tensor) -> torch.Tensor:
+    # scale: [kv_heads, pages, page_size] -> [kv_heads, ..., max_pages * page_size] float32
+    heads, pages, page_size = scale.shape
+    flat = scale.view(heads * pages, page_size).index_select(0, rows).float()
+    return flat.view(heads, *page_ids.shape[:-1], page_ids.shape[-1] * page_size)
 
 
 def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               page_table: torch.Tensor, mask: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               page_table: torch.Tensor, mask: torch.Tensor, scale: float,
+                               k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     # q: [batch, heads, dim]; page_table: [batch, max_pages]; mask: [batch, max_pages*page_size]
     batch, num_heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     group = num_heads // kv_heads
     rows = _page_rows(k_cache, page_table)
-    k = _gather_pages(k_cache, page_table, rows).to(q.dtype)  # [kv_heads, batch, L, dim]
-    v = _gather_pages(v_cache, page_table, rows).to(q.dtype)
+    k = _gather_pages(k_cache, page_table, rows, q.dtype)  # [kv_heads, batch, L, dim]
+    v = _gather_pages(v_cache, page_table, rows, q.dtype)
     qg = q.view(batch, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, batch, group, dim]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [kv_heads, batch, group, L]
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [kv_heads, batch, group, L]
+    if k_scale is not None:
+        scores.mul_(_gather_scales(k_scale, page_table, rows).mul_(scale).unsqueeze(2))
+    else:
+        scores.mul_(scale)
     scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)  # [kv_heads, batch, group, dim]
+    if v_scale is not None:
+        probs.mul_(_gather_scales(v_scale, page_table, rows).unsqueeze(2))
+    out = torch.matmul(probs.to(v.dtype), v)  # [kv_heads, batch, group, dim]
     return out.transpose(0, 1).reshape(batch, num_heads * dim)
 
 
 def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 page_ids: torch.Tensor, context_len: int,
-                                mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                                mask: torch.Tensor | None, scale: float,
+                                k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
     # q: [chunk, heads, dim] for one sequence; keys are its first context_len cached tokens.
     # mask: [chunk, context_len] bool (True = attend) or None for plain causal from position 0.
     chunk, num_heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     rows = _page_rows(k_cache, page_ids)
-    k = _gather_pages(k_cache, page_ids, rows)[:, :context_len].to(q.dtype)  # [kv_heads, L, dim]
-    v = _gather_pages(v_cache, page_ids, rows)[:, :context_len].to(q.dtype)
+    k = _gather_pages(k_cache, page_ids, rows, q.dtype)[:, :context_len]  # [kv_heads, L, dim]
+    v = _gather_pages(v_cache, page_ids, rows, q.dtype)[:, :context_len]
+    if k_scale is not None and v_scale is not None:
+        k = k * _gather_scales(k_scale, page_ids, rows)[:, :context_len, None].to(q.dtype)
+        v = v * _gather_scales(v_scale, page_ids, rows)[:, :context_len, None].to(q.dtype)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
     out = torch.nn.functional.scaled_dot_product_attention(
         qh, k.unsqueeze(0), v.unsqueeze(0),
@@ -66,12 +93,16 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           page_table: torch.Tensor, mask: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    return ref_paged_decode_attention(q, k_cache, v_cache, page_table, mask, scale)
+                           page_table: torch.Tensor, mask: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    return ref_paged_decode_attention(q, k_cache, v_cache, page_table, mask, scale,
+                                      k_scale, v_scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             page_ids: torch.Tensor, context_len: int, mask: torch.Tensor | None,
-                            scale: float) -> torch.Tensor:
-    return ref_paged_prefill_attention(q, k_cache, v_cache, page_ids, context_len, mask, scale)
+                            scale: float, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    return ref_paged_prefill_attention(q, k_cache, v_cache, page_ids, context_len, mask, scale,
+                                       k_scale, v_scale)

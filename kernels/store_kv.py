@@ -1,22 +1,36 @@
-"""Write new tokens' K and V into their page slots, in place."""
+"""Write new tokens' K and V into their page slots, in place (quantizing for fp8 pages)."""
 
 from __future__ import annotations
 
 import torch
 
 
+def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
+           slot_mapping: torch.Tensor) -> None:
+    heads, pages, page_size, dim = cache.shape
+    if cache.dtype == torch.uint8:
+        from runtime.quant.fp8 import quantize_fp8_kv  # lazy: kernels import no runtime at load
+
+        assert scale is not None and scale.shape == (heads, pages, page_size), "fp8 needs scales"
+        q, s = quantize_fp8_kv(x)  # [tokens, heads, dim] e4m3, [tokens, heads] bf16
+        x = q.view(torch.uint8)
+        scale.view(heads, pages * page_size).index_copy_(1, slot_mapping, s.t().to(scale.dtype))
+    cache.view(heads, pages * page_size, dim).index_copy_(1, slot_mapping,
+                                                         x.transpose(0, 1).to(cache.dtype))
+
+
 def ref_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
     # k, v: [tokens, kv_heads, dim]; caches: [kv_heads, pages, page_size, dim]
-    heads, pages, page_size, dim = k_cache.shape
+    heads, _, _, dim = k_cache.shape
     assert k.shape == v.shape and k.shape[1:] == (heads, dim), (k.shape, k_cache.shape)
     assert slot_mapping.shape == (k.shape[0],)
-    k_cache.view(heads, pages * page_size, dim).index_copy_(1, slot_mapping,
-                                                             k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(heads, pages * page_size, dim).index_copy_(1, slot_mapping,
-                                                             v.transpose(0, 1).to(v_cache.dtype))
+    _store(k, k_cache, k_scale, slot_mapping)
+    _store(v, v_cache, v_scale, slot_mapping)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    ref_store_kv(k, v, k_cache, v_cache, slot_mapping)
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    ref_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -6,14 +6,30 @@ import argparse
 import sys
 import time
 
-from runtime.errors import TesseraError
+from runtime.errors import InvalidArgument, TesseraError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30,
+                   help="bytes of KV pages (scales included); capacity is printed at start")
     p.add_argument("--max-model-len", type=int, default=None)
+    fmts = p.add_argument_group("serving formats ('auto' = the compute dtype)")
+    fmts.add_argument("--kv-cache-dtype", default="auto",
+                      choices=["auto", "fp32", "bf16", "fp16", "fp8"])
+    fmts.add_argument("--prefill-kv-cache-dtype", default="auto",
+                      choices=["auto", "fp32", "bf16", "fp16", "fp8"])
+    fmts.add_argument("--prefill-weights", default="auto",
+                      choices=["auto", "fp32", "bf16", "fp16", "fp8", "int4"])
+    fmts.add_argument("--decode-weights", default="auto",
+                      choices=["auto", "fp32", "bf16", "fp16", "fp8", "int4"])
+    fmts.add_argument("--weight-group-size", type=int, default=128, choices=[32, 64, 128])
+    fmts.add_argument("--weight-asymmetric", action="store_true",
+                      help="int4 with a zero point per group")
+    fmts.add_argument("--serving-config", default=None, metavar="FILE",
+                      help='JSON: {"prefill": {"weights": "fp8", "kv_cache_dtype": "bf16"}, '
+                           '"decode": {"weights": "int4", "kv_cache_dtype": "fp8"}}')
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -28,10 +44,36 @@ def _build(args: argparse.Namespace):
     from runtime import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, **format_kwargs(args))
+    f = llm.serving_formats
+    print(f"[{llm.kv_capacity_tokens} tokens of {f.kv.name} KV in {args.kv_cache_bytes} bytes; "
+          f"prefill weights {f.prefill.weights.label}, decode weights "
+          f"{f.decode.weights.label}]", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     return llm, params
+
+
+def format_kwargs(args: argparse.Namespace) -> dict:
+    """The LLM keyword arguments for the serving formats named on the command line."""
+    if args.serving_config:
+        import json
+
+        from runtime.serving_formats import serving_kwargs
+
+        try:
+            kw = serving_kwargs(json.loads(open(args.serving_config).read()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise InvalidArgument(f"cannot read serving config {args.serving_config}: {e}",
+                                  field="serving_config") from e
+        kw["weight_group_size"] = kw.pop("group_size", args.weight_group_size)
+        kw["weight_symmetric"] = kw.pop("symmetric", not args.weight_asymmetric)
+        return kw
+    return {"kv_cache_dtype": args.kv_cache_dtype,
+            "prefill_kv_cache_dtype": args.prefill_kv_cache_dtype,
+            "prefill_weights": args.prefill_weights, "decode_weights": args.decode_weights,
+            "weight_group_size": args.weight_group_size,
+            "weight_symmetric": not args.weight_asymmetric}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.errors import InvalidArgument, ModelLoadError
+from runtime.formats import KVFormat, WeightFormat
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,14 @@ class EngineConfig:
     integrity: str = "tags"
     enable_prefix_caching: bool = True
     tenant_page_quota: float = 1.0
+    # Serving formats per phase ("auto" = the compute dtype, or a quantized checkpoint's own);
+    # resolved and checked against each other by runtime.serving_formats.ServingFormats.
+    kv_cache_dtype: str = "auto"
+    prefill_kv_cache_dtype: str = "auto"
+    prefill_weights: str = "auto"
+    decode_weights: str = "auto"
+    weight_group_size: int = 128
+    weight_symmetric: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,3 +134,10 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidArgument(f"dtype must be auto, float32, bfloat16 or float16: {self.dtype}",
                                   field="dtype")
+        for name in ("kv_cache_dtype", "prefill_kv_cache_dtype"):
+            if getattr(self, name) != "auto":
+                KVFormat.parse(getattr(self, name))
+        for name in ("prefill_weights", "decode_weights"):
+            if getattr(self, name) != "auto":
+                WeightFormat.parse(getattr(self, name), self.weight_group_size,
+                                   self.weight_symmetric)

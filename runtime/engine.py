@@ -17,6 +17,7 @@ from runtime.errors import (
     TenantQuotaExceeded,
     TesseraError,
 )
+from runtime.formats import WeightFormat, canonical_name
 from runtime.integrity import TRACKERS, Violation
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
@@ -29,6 +30,7 @@ from runtime.sampler import Sampler
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
+from runtime.serving_formats import ServingFormats
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("tessera.engine")
@@ -62,8 +64,15 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu" and os.environ.get("TESSERA_NUM_THREADS"):
             torch.set_num_threads(int(os.environ["TESSERA_NUM_THREADS"]))
-        self.model = self._build_model()
-        spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.dtype)
+        self.formats = ServingFormats.resolve(
+            str(self.dtype).removeprefix("torch."), prefill_weights=config.prefill_weights,
+            decode_weights=config.decode_weights, kv_cache_dtype=config.kv_cache_dtype,
+            prefill_kv_cache_dtype=config.prefill_kv_cache_dtype,
+            group_size=config.weight_group_size, symmetric=config.weight_symmetric,
+            checkpoint_format=checkpoint.quantization)
+        self.prefill_model, self.decode_model = self._build_models()
+        # NOTE: colocated, KV is written in the decode phase's format whoever writes it.
+        spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.formats.kv)
         num_pages = spec.pages_in(config.kv_cache_bytes)
         if num_pages < 1:
             raise InvalidArgument(f"kv_cache_bytes={config.kv_cache_bytes} holds no page of "
@@ -78,26 +87,50 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             tenant_page_quota=config.tenant_page_quota), self.pool,
             self.prefix_cache)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.prefill_model, self.decode_model, self.kv_cache,
+                                  self.device)
         self.sampler = Sampler(config.seed)
         self.tracker = TRACKERS[config.integrity](self.pool)
         self.requests: dict[str, Sequence] = {}
         # namespace -> (prefix token ids, tenants allowed to share it)
         self.shared_prefixes: dict[str, tuple[list[int], frozenset[str]]] = {}
         self.eos_ids = set(self.model_config.eos_token_ids)
-        log.info("engine ready: %s, %d pages of %d tokens (%d tokens of KV, %d bytes each)",
-                 checkpoint.revision, num_pages, config.page_size, self.kv_capacity_tokens,
-                 spec.bytes_per_token)
+        log.info("engine ready: %s, %d pages of %d tokens: %d tokens of %s KV at %d bytes each; "
+                 "prefill weights %s, decode weights %s", checkpoint.revision, num_pages,
+                 config.page_size, self.kv_capacity_tokens, self.formats.kv.name,
+                 spec.bytes_per_token, self.formats.prefill.weights.label,
+                 self.formats.decode.weights.label)
 
     @classmethod
     def from_path(cls, model: str | None, config: EngineConfig) -> LLMEngine:
         return cls(open_checkpoint(model), config)
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_models(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """The prefill and decode models: one object when both phases serve the same weights,
+        else two sharing everything but the linear layers (both resident, both counted)."""
         with torch.device("meta"):
             model = model_class(self.model_config)(self.model_config)
-        model.load_weights(self.checkpoint.tensors(), self.dtype)
-        return model.to(self.device).eval()
+        stored = self.checkpoint.quantization
+        model.load_weights(self.checkpoint.tensors(), self.dtype, quantization=stored)
+        base = model.to(self.device).eval()
+        if stored is not None:
+            return base, base  # served as stored (ServingFormats refuses anything else)
+        prefill = self._convert(base, self.formats.prefill.weights)
+        if self.formats.shares_weights:
+            return prefill, prefill
+        return prefill, self._convert(base, self.formats.decode.weights)
+
+    def _convert(self, base: torch.nn.Module, fmt: WeightFormat) -> torch.nn.Module:
+        if fmt.name == canonical_name(str(self.dtype)):
+            return base
+        from runtime.quant.convert import convert_model
+
+        return convert_model(base, fmt)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The prefill model (the decode model shares all but its linear layers with it)."""
+        return self.prefill_model
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -175,6 +208,28 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def prompt_logits(self, token_ids: list[int], tenant: str = "default") -> torch.Tensor:
+        """Teacher-forced next-token logits at every prompt position, float32 [n, vocab] (row
+        i predicts token i + 1), computed by the prefill path over the configured KV format.
+        Runs on its own: call it only when no other request is in flight."""
+        if self.requests:
+            raise InvalidArgument("prompt_logits needs an idle engine", field="token_ids")
+        rid = f"score-{len(token_ids)}-{id(token_ids)}"
+        seq = self.add_request(rid, list(token_ids), SamplingParams(max_tokens=1), tenant)
+        seq.reuse_prefix = False
+        sink: list[torch.Tensor] = []
+        seq.extra["prompt_logits"] = sink
+        try:
+            while rid in self.requests:
+                for out in self.step():
+                    if out.request_id == rid and out.error is not None:
+                        raise out.error
+        finally:
+            self.abort_request(rid)
+        logits = torch.cat(sink)
+        assert logits.shape[0] == len(token_ids), (logits.shape, len(token_ids))
+        return logits
 
     def abort_request(self, request_id: str,
                       error: TesseraError | None = None) -> RequestOutput | None:

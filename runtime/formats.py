@@ -79,7 +79,10 @@ class WeightFormat:
 
     @classmethod
     def parse(cls, name: str, group_size: int = 128, symmetric: bool = True) -> WeightFormat:
-        return cls(canonical_name(name), group_size, symmetric)
+        name = canonical_name(name)
+        if name != "int4":  # group and symmetry mean nothing outside int4: one value per format
+            group_size, symmetric = 128, True
+        return cls(name, group_size, symmetric)
 
     @property
     def label(self) -> str:

@@ -21,13 +21,21 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, device: str = "cpu", seed: int = 0,
                  integrity: str = "tags", enable_prefix_caching: bool = True,
-                 tenant_page_quota: float = 1.0) -> None:
+                 tenant_page_quota: float = 1.0, kv_cache_dtype: str = "auto",
+                 prefill_kv_cache_dtype: str = "auto", prefill_weights: str = "auto",
+                 decode_weights: str = "auto", weight_group_size: int = 128,
+                 weight_symmetric: bool = True) -> None:
         config = EngineConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
                               device=device, seed=seed, integrity=integrity,
                               enable_prefix_caching=enable_prefix_caching,
-                              tenant_page_quota=tenant_page_quota)
+                              tenant_page_quota=tenant_page_quota,
+                              kv_cache_dtype=kv_cache_dtype,
+                              prefill_kv_cache_dtype=prefill_kv_cache_dtype,
+                              prefill_weights=prefill_weights, decode_weights=decode_weights,
+                              weight_group_size=weight_group_size,
+                              weight_symmetric=weight_symmetric)
         self.engine = LLMEngine.from_path(model, config)
         self._ids = itertools.count()
 
@@ -38,6 +46,16 @@ class LLM:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.engine.kv_capacity_tokens
+
+    @property
+    def serving_formats(self) -> Any:
+        """The resolved per-phase weight and KV formats (`runtime.serving_formats`)."""
+        return self.engine.formats
+
+    def prompt_logits(self, token_ids: list[int], *, tenant: str = "default") -> Any:
+        """float32 [len(token_ids), vocab]: row i is the logits predicting token i + 1, through
+        the engine's own paged path (configured KV format, prefill weights)."""
+        return self.engine.prompt_logits(token_ids, tenant)
 
     def memory_report(self) -> Any:
         """Weights and KV this engine holds, next to the capacity planner's numbers for the same

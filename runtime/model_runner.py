@@ -1,6 +1,8 @@
 """Turns a scheduled step into tensors, runs the model over paged KV, returns logits.
 
 Token order in the flat batch: all single-token steps (decodes) first, then each prefill chunk.
+When the phases serve different weights, decodes and prefill chunks run as two forwards, each
+with its phase's model; both write KV into the one cache.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from runtime.scheduler import ScheduledSequence, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device) -> None:
-        self.model = model
+    def __init__(self, prefill_model: nn.Module, decode_model: nn.Module, kv_cache: KVCache,
+                 device: torch.device) -> None:
+        self.prefill_model = prefill_model
+        self.decode_model = decode_model
         self.kv_cache = kv_cache
         self.page_size = kv_cache.spec.page_size
         self.device = device
@@ -32,6 +36,17 @@ class ModelRunner:
         decodes = sorted((s for s in batch.scheduled if s.num_tokens == 1),
                          key=lambda s: len(s.seq.page_table))
         prefills = [s for s in batch.scheduled if s.num_tokens > 1]
+        if not prefills:
+            return self._forward(self.decode_model, decodes, [])
+        if not decodes or self.decode_model is self.prefill_model:
+            return self._forward(self.prefill_model, decodes, prefills)
+        dec_samplers, dec_logits = self._forward(self.decode_model, decodes, [])
+        pre_samplers, pre_logits = self._forward(self.prefill_model, [], prefills)
+        return dec_samplers + pre_samplers, torch.cat([dec_logits, pre_logits])
+
+    def _forward(self, model: nn.Module, decodes: list[ScheduledSequence],
+                 prefills: list[ScheduledSequence]
+                 ) -> tuple[list[ScheduledSequence], torch.Tensor]:
         ordered = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -61,9 +76,13 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         with forward_context(ForwardContext(meta, self.kv_cache)):
-            hidden = self.model(ids_t, pos_t)
+            hidden = model(ids_t, pos_t)
+        for item, piece in zip(prefills, meta.prefills, strict=True):
+            sink = item.seq.extra.get("prompt_logits")
+            if sink is not None:  # teacher-forced scoring: every position's next-token logits
+                sink.append(model.compute_logits(hidden[piece.start : piece.end]).float())
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = model.compute_logits(hidden.index_select(0, rows))
         return samplers, logits
 
     def _decode_groups(self, decodes: list[ScheduledSequence]) -> list[DecodeGroup]:

@@ -186,7 +186,7 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _cache_hits(self, seq: Sequence) -> list[PageRef]:
-        if self.prefix_cache is None or seq.page_table:
+        if self.prefix_cache is None or seq.page_table or not seq.reuse_prefix:
             return []
         # Leave at least one token to compute: the step must produce the next token's logits.
         max_pages = (seq.num_tokens - 1) // self.pool.page_size

@@ -45,6 +45,8 @@ class Sequence:
     shared_namespace: str | None = None
     shared_pages: int = 0
     num_preemptions: int = 0
+    # False when every prompt position must be computed (teacher-forced scoring).
+    reuse_prefix: bool = True
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: TesseraError | None = None

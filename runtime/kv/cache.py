@@ -3,15 +3,26 @@
 Layout per layer: [num_kv_heads, num_pages, page_size, head_dim]. Head-major keeps each
 head's context contiguous after a page gather, so decode attention is plain batched matmuls
 on CPU; GPU kernels index pages directly and do not care.
+
+FP8 (e4m3) pages hold the raw bytes as uint8 (index_copy_ and index_select work on them on
+every device) plus one bf16 scale per (token, KV head) in a parallel [kv_heads, pages,
+page_size] tensor: the scale lives beside its page, so a page is moved, verified or freed as
+one unit (see runtime/quant/fp8.py for why per token per head).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from runtime.config import ModelConfig
+from runtime.formats import KVFormat, canonical_name
+
+_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+            "fp8": torch.uint8}
+_LOGICAL = {**_STORAGE, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -20,17 +31,34 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     page_size: int
-    dtype: torch.dtype
+    format: KVFormat
 
     @classmethod
-    def for_model(cls, config: ModelConfig, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    def for_model(cls, config: ModelConfig, page_size: int,
+                  fmt: KVFormat | torch.dtype | str) -> KVCacheSpec:
+        if not isinstance(fmt, KVFormat):
+            fmt = KVFormat.parse(canonical_name(str(fmt)))
         return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-                   page_size, dtype)
+                   page_size, fmt)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The logical element type (float8_e4m3fn for fp8, whose bytes are stored as uint8)."""
+        return _LOGICAL[self.format.name]
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return _STORAGE[self.format.name]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.format.name == "fp8"
 
     @property
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        """K and V of one token in every layer, scales included."""
+        per_layer = self.format.gqa_bytes_per_token_layer(self.num_kv_heads, self.head_dim)
+        return self.num_layers * per_layer
 
     @property
     def bytes_per_page(self) -> int:
@@ -40,17 +68,34 @@ class KVCacheSpec:
         return budget_bytes // self.bytes_per_page
 
 
+class LayerKV(NamedTuple):
+    """One layer's view of the cache. Scales are None unless the pages are fp8."""
+
+    k: torch.Tensor  # [kv_heads, pages, page_size, head_dim]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # [kv_heads, pages, page_size] bf16
+    v_scale: torch.Tensor | None
+
+
 class KVCache:
     def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device | str) -> None:
         self.spec = spec
         self.num_pages = num_pages
         shape = (spec.num_layers, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.k = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+        self.v = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if spec.is_fp8:
+            self.k_scale = torch.zeros(shape[:-1], dtype=torch.bfloat16, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=torch.bfloat16, device=device)
 
     @property
     def num_bytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        tensors = [self.k, self.v, self.k_scale, self.v_scale]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[index], self.v[index]
+    def layer(self, index: int) -> LayerKV:
+        if self.k_scale is None or self.v_scale is None:
+            return LayerKV(self.k[index], self.v[index], None, None)
+        return LayerKV(self.k[index], self.v[index], self.k_scale[index], self.v_scale[index])

@@ -96,13 +96,14 @@ class PagedAttention(nn.Module):
         # q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]
         ctx = get_forward_context()
         meta = ctx.attn
-        k_cache, v_cache = ctx.kv_cache.layer(self.layer_index)  # type: ignore[attr-defined]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kv = ctx.kv_cache.layer(self.layer_index)  # type: ignore[attr-defined]
+        store_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
         parts = []
         for g in meta.decodes:
-            parts.append(paged_decode_attention(q[g.start : g.end], k_cache, v_cache,
-                                                g.page_table, g.mask, self.scale))
+            parts.append(paged_decode_attention(q[g.start : g.end], kv.k, kv.v, g.page_table,
+                                                g.mask, self.scale, kv.k_scale, kv.v_scale))
         for p in meta.prefills:
-            parts.append(paged_prefill_attention(q[p.start : p.end], k_cache, v_cache,
-                                                 p.page_ids, p.context_len, p.mask, self.scale))
+            parts.append(paged_prefill_attention(q[p.start : p.end], kv.k, kv.v, p.page_ids,
+                                                 p.context_len, p.mask, self.scale,
+                                                 kv.k_scale, kv.v_scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
