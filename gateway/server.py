@@ -137,6 +137,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     break
                 except grpc.aio.AioRpcError as e:
                     err = from_rpc_error(e)
+                    if isinstance(err, WorkerLost):
+                        await pool.report_lost(worker)
                     if isinstance(err, WorkerLost) and not streamed \
                             and attempt < MAX_TRANSPARENT_RETRIES:
                         bound.warning("worker lost before the first token; retrying")

@@ -97,8 +97,7 @@ class WorkerPool:
         try:
             async with self._changed:
                 while True:
-                    routable = [w for w in self.workers.values() if w.state != "stopped"]
-                    worker = self.router.pick(routable, session, prefix_key)
+                    worker = self.router.pick(self.live(), session, prefix_key)
                     if worker is not None:
                         assert isinstance(worker, WorkerHandle)
                         worker.inflight += 1
@@ -140,6 +139,15 @@ class WorkerPool:
             self._begin_drain(worker, "recycle")
         if worker.state == "draining" and worker.inflight == 0:
             self._background(self._retire(worker))
+        await self._notify()
+
+    async def report_lost(self, worker: WorkerHandle) -> None:
+        """A call to this worker failed as UNAVAILABLE: unless it still answers a health probe,
+        take it out of routing now (before its exit is noticed) and make sure it is gone."""
+        if worker.state not in ("ready", "draining") or await worker.answers_health():
+            return
+        worker.state = "lost"
+        worker.kill()
         await self._notify()
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:

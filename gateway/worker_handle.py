@@ -21,7 +21,8 @@ class WorkerHandle:
         self.id = worker_id
         self.socket_path = socket_path
         self.max_inflight = max_inflight
-        self.state = "starting"  # starting -> ready -> draining -> stopped
+        # starting -> ready -> draining -> stopped; "lost" when calls to it fail (then it exits)
+        self.state = "starting"
         self.inflight = 0
         self.requests_served = 0
         self.started_at = time.monotonic()
@@ -78,6 +79,12 @@ class WorkerHandle:
             await asyncio.sleep(0.1)
         self.kill()
         raise WorkerLost(f"worker {self.id} not healthy after {timeout_s:.0f} s")
+
+    async def answers_health(self, timeout_s: float = 1.0) -> bool:
+        try:
+            return (await self.stub.Health(wpb.HealthRequest(), timeout=timeout_s)).serving
+        except (grpc.aio.AioRpcError, AttributeError):
+            return False
 
     async def wait_exit(self) -> int | None:
         if self.process is None:

@@ -106,8 +106,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             stats = e.stats()
             cache = e.prefix_cache
             summary = wpb.PrefixCacheSummary(
-                enabled=cache is not None, cached_pages=len(cache) if cache else 0,
-                evictable_pages=cache.num_evictable() if cache else 0)
+                enabled=cache is not None, cached_pages=0 if cache is None else len(cache),
+                evictable_pages=0 if cache is None else cache.num_evictable)
             counters = e.tracker.counters
             return wpb.StatusResponse(
                 worker_id=self.served.worker_id, served=self.served.to_proto(),

@@ -114,3 +114,22 @@ def test_gateway_keeps_per_tenant_usage_totals(two_workers, client) -> None:
     after = two_workers.gateway.usage["acme"]
     assert after["completion_tokens"] - before.get("completion_tokens", 0) == 3
     assert after["prompt_tokens"] - before.get("prompt_tokens", 0) == stream.usage.prompt_tokens
+
+
+def test_async_client_streams_the_same_tokens(two_workers, client) -> None:
+    import asyncio
+
+    from gateway.client import AsyncClient
+
+    sync = client.generate(PROMPTS[0], max_tokens=6, temperature=0.0, ignore_eos=True)
+    list(sync)
+
+    async def run():
+        async with AsyncClient(two_workers.target, api_key=KEYS["acme"]) as ac:
+            stream = ac.generate(PROMPTS[0], max_tokens=6, temperature=0.0, ignore_eos=True)
+            texts = [chunk.text async for chunk in stream]
+            return stream, texts
+
+    stream, texts = asyncio.run(run())
+    assert stream.token_ids == sync.token_ids and "".join(texts) == sync.text
+    assert stream.usage == sync.usage
