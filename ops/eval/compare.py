@@ -68,6 +68,7 @@ class Comparison:
     prompts: int
     continuation_tokens: int  # greedy tokens A produced, the match denominator
     estimates: dict[str, Estimate]
+    match_prefixes: list[int] = field(default_factory=list)  # per prompt, tokens before divergence
     seconds: dict[str, float] = field(default_factory=dict)  # time inside each config's calls
 
 
@@ -111,6 +112,7 @@ def compare(llm_a: ServingModel, llm_b: ServingModel, windows: list[list[int]],
     n_prompts = len(windows) if settings.num_prompts is None else settings.num_prompts
     prompts = [ids[: settings.prompt_tokens] for ids in windows[:n_prompts]]
     continuation_tokens = 0
+    match_units = np.zeros((0, 2))
     if prompts:
         conts_a = timed("a", lambda: greedy(llm_a, prompts, settings))
         conts_b = timed("b", lambda: greedy(llm_b, prompts, settings))
@@ -120,8 +122,9 @@ def compare(llm_a: ServingModel, llm_b: ServingModel, windows: list[list[int]],
         estimates["match"] = bootstrap(match_units, ratio(0, 1), **boot)
         if progress:
             progress(f"greedy {len(prompts)} prompts x {settings.max_tokens} tokens")
+    prefixes = [int(x) for x in match_units[:, 0]]
     return Comparison(len(windows), int(units[:, TOKENS].sum()), len(prompts),
-                      continuation_tokens, estimates, seconds)
+                      continuation_tokens, estimates, prefixes, seconds)
 
 
 def greedy(llm: ServingModel, prompts: list[list[int]], settings: EvalSettings) -> list[list[int]]:

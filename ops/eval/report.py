@@ -46,6 +46,7 @@ def build_report(*, spec_a: str, spec_b: str, kwargs_a: dict[str, Any],
         "prompts": comparison.prompts,
         "continuation_tokens": comparison.continuation_tokens,
         "metrics": {k: v.as_dict() for k, v in comparison.estimates.items()},
+        "match_prefixes": comparison.match_prefixes,
         "checks": [c.as_dict() for c in checks],
         "passed": all(c.passed for c in checks),
         "seconds": {**seconds, **{f"eval_{k}": v for k, v in comparison.seconds.items()}},
@@ -81,6 +82,9 @@ def markdown(report: dict[str, Any]) -> str:
             rule = f"{check['bound']} {op} {check['threshold']:g}"
             verdict = "pass" if check["passed"] else "FAIL"
         lines.append(f"| {label} | {value} | {ci} | {rule} | {verdict} |")
+    if report["match_prefixes"]:
+        lines += ["", f"greedy agreeing prefix per prompt (of {s['max_tokens']}): "
+                      + " ".join(map(str, report["match_prefixes"]))]
     lines += ["", verdict_line(report)]
     return "\n".join(lines)
 

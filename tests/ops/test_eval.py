@@ -221,6 +221,17 @@ def test_identical_fake_models_agree_exactly_and_pass_the_strictest_thresholds(t
     assert m["top1"]["lo"] == m["match"]["lo"] == m["ppl_ratio"]["hi"] == 1.0
     assert report["windows"] == 1800 // 64 and report["tokens"] == report["windows"] * 63
     assert report["continuation_tokens"] == report["prompts"] * 6
+    assert report["match_prefixes"] == [6] * report["prompts"]
+
+
+def test_no_greedy_prompts_leaves_match_unmeasured_and_its_threshold_failed(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("abcdefghij" * 50)
+    code, report = run_json(["--a", "", "--b", "", "--text", str(text), "--window", "32",
+                             "--prompt-tokens", "8", "--prompts", "0",
+                             "--thresholds", "kl=0,match=0.5"], capsys, lambda kw: FakeLLM(**kw))
+    assert code == 1 and "match" not in report["metrics"] and report["match_prefixes"] == []
+    assert [c["passed"] for c in report["checks"]] == [True, False]
 
 
 def test_a_perturbed_fake_model_differs_and_fails_a_zero_kl_threshold(tmp_path, capsys):
