@@ -4,6 +4,7 @@ batch independence, and the planner's numbers for the pool it allocated."""
 from __future__ import annotations
 
 import pydoc_data.topics
+
 import pytest
 import torch
 
@@ -54,7 +55,7 @@ def test_prompt_logits_last_row_is_what_generation_samples_from(fp8_llm, text_id
     ids = text_ids[:50]
     scored = fp8_llm.prompt_logits(ids)
     captured = capture_logits(fp8_llm.engine, monkeypatch)
-    fp8_llm.generate([ids], SamplingParams(max_tokens=1))
+    fp8_llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
     (rows,) = captured.values()
     torch.testing.assert_close(scored[-1], rows[0], atol=1e-4, rtol=1e-4)
     assert scored.shape == (50, fp8_llm.engine.model_config.vocab_size)
@@ -66,7 +67,7 @@ def test_fp8_greedy_output_does_not_depend_on_batch_neighbours(fp8_llm):
     change nothing a sequence reads."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land",
                "List three prime numbers:"]
-    params = SamplingParams(max_tokens=16)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
     alone = [fp8_llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
     together = [o.outputs[0].token_ids for o in fp8_llm.generate(prompts, params)]
     assert together == alone

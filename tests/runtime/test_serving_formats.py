@@ -1,4 +1,4 @@
-"""Per-phase serving formats: resolution of "auto", and refusal of combinations that buy nothing."""
+"""Per-phase serving formats: "auto" resolution, and refusal of combinations that buy nothing."""
 
 from __future__ import annotations
 
