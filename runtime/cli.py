@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(chat)
     _sampling_args(chat, 256)
     chat.set_defaults(fn=cmd_chat)
+    from runtime.cli_convert import add_convert_parser
+
+    add_convert_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.fn(args))

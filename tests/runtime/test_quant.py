@@ -27,16 +27,44 @@ def weights(out_dim=96, in_dim=256, seed=0):
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_int4_round_trip_error_is_within_half_a_step_per_group(group_size, symmetric):
+def test_int4_round_trip_error_is_within_half_a_step_inside_the_chosen_range(group_size,
+                                                                            symmetric):
     w = weights()
     codes, scale, zeros = quantize_int4_groupwise(w, group_size, symmetric)
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
     assert (zeros is None) == symmetric
     back = dequantize_int4_groupwise(codes, scale, zeros)
     err = (back - w).abs().reshape(w.shape[0], -1, group_size)
-    # symmetric clamps to [-8, 7] steps; amax maps to 7 exactly, so half a step bounds all
-    assert bool((err <= scale[..., None] * 0.5 + 1e-6).all())
-    assert float(err.mean()) < float(scale.mean()) * 0.3
+    step = scale.abs()[..., None]
+    offset = 8.0 if zeros is None else zeros.float()[..., None]
+    lo, hi = (0 - offset) * scale[..., None], (15 - offset) * scale[..., None]
+    wg = w.reshape_as(err)
+    inside = (wg >= torch.minimum(lo, hi)) & (wg <= torch.maximum(lo, hi))
+    assert bool((err[inside] <= (step * 0.5 + 1e-6).expand_as(err)[inside]).all())
+    assert float(inside.float().mean()) > 0.9  # clipping touches only the tails
+    assert float(err.mean()) < float(step.mean()) * 0.3
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_scale_search_never_loses_to_plain_round_to_nearest(symmetric):
+    w = weights(64, 256, seed=3) * torch.linspace(0.1, 3.0, 256)  # uneven columns
+    codes, scale, zeros = quantize_int4_groupwise(w, 128, symmetric)
+    searched = (dequantize_int4_groupwise(codes, scale, zeros) - w).square()
+    g = w.reshape(64, 2, 128)
+    if symmetric:
+        s = (g.abs().amax(-1) / 7).to(torch.bfloat16).float()
+        rtn = ((g / s[..., None]).round().clamp(-8, 7) * s[..., None]).reshape_as(w)
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        s = ((hi - lo) / 15).to(torch.bfloat16).float()
+        z = (-lo / s).round().clamp(0, 15)
+        rtn = (((g / s[..., None]).round() + z[..., None]).clamp(0, 15) - z[..., None]) \
+            * s[..., None]
+        rtn = rtn.reshape_as(w)
+    plain = (rtn - w).square()
+    per_group = searched.reshape(64, 2, 128).sum(-1) <= plain.reshape(64, 2, 128).sum(-1) + 1e-9
+    assert bool(per_group.all())
+    assert float(searched.mean()) < 0.95 * float(plain.mean())
 
 
 def test_int4_asymmetric_beats_symmetric_on_one_sided_weights():

@@ -42,7 +42,8 @@ def test_int4_forward_equals_linear_over_dequantized_weight(shape, group_size, s
     bias = torch.randn(shape[0], generator=gen)
     layer = Int4Linear.from_float(w, bias, group_size, symmetric)
     weight = layer.dequantize()
-    assert (weight - w).abs().max() <= layer.weight_scale.float().max()  # within one step
+    # Within a few steps even where the scale search clipped an outlier (runtime/quant/int4.py).
+    assert (weight - w).abs().max() <= 4 * layer.weight_scale.float().abs().max()
     for rows in (1, 5, Int4Linear.kernel_max_rows + 1):
         x = torch.randn(rows, shape[1], generator=gen)
         tol = KERNEL_REL_TOL if layer.layout == "cpu_int4pack" and rows <= 128 else FP32_REL_TOL
