@@ -1,0 +1,130 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.client import AsyncStream
+from gateway.rest.docs import OPENAI_ERRORS, SSE_OK
+from gateway.rest.errors import openai_error_body
+from gateway.rest.relay import SSE_DONE, SSE_HEADERS, Relay, sse
+from gateway.rest.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from gateway.rest.upstream import api_key, fingerprint, open_stream, served_header
+from runtime.errors import TesseraError
+
+router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
+
+
+def usage_body(stream: AsyncStream) -> dict[str, Any] | None:
+    u = stream.usage
+    if u is None:
+        return None
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+class _Shape:
+    """What differs between chat and text completions: ids, object names, the choice body."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]], stream: AsyncStream,
+                 usage: bool) -> dict[str, Any]:
+        model = self.model or (stream.served.model if stream.served else "")
+        body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created,
+                                "model": model, "choices": choices,
+                                "system_fingerprint": fingerprint(stream.served)}
+        if usage:
+            body["usage"] = usage_body(stream)
+        return body
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def full(self, text: str, stream: AsyncStream) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                  "finish_reason": stream.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self.envelope(obj, [choice], stream, usage=True)
+
+    def delta(self, text: str | None, finish: str | None, stream: AsyncStream,
+              usage: bool, first: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        body = self.envelope(self.chunk_object, [choice], stream, usage=False)
+        if usage:
+            body["usage"] = None
+        return body
+
+
+async def _serve(request: Request, body: OpenAIRequest, shape: _Shape, route: str,
+                 stream: AsyncStream) -> Response:
+    relay = await Relay(stream, request.app.state.stats, route).start()
+    if not body.stream:
+        text = await relay.text()
+        return JSONResponse(shape.full(text, stream), headers=served_header(stream.served))
+    usage = body.stream_options is not None and body.stream_options.include_usage
+    return StreamingResponse(_events(relay, shape, usage), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
+
+
+async def _events(relay: Relay, shape: _Shape, usage: bool) -> AsyncIterator[bytes]:
+    stream = relay.stream
+    if shape.chat:
+        yield sse(shape.delta("", None, stream, usage, first=True))
+    try:
+        async for chunk in relay.chunks():
+            if chunk.text:
+                yield sse(shape.delta(chunk.text, None, stream, usage))
+    except TesseraError as e:  # after the status line: the error travels as an event
+        yield sse(openai_error_body(e))
+        return
+    yield sse(shape.delta(None if shape.chat else "", stream.finish_reason, stream, usage))
+    if usage:
+        yield sse(shape.envelope(shape.chunk_object, [], stream, usage=True))
+    yield SSE_DONE
+
+
+@router.post("/chat/completions", responses={**SSE_OK, **OPENAI_ERRORS})
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    stream = open_stream(request, request.app.state.upstream, model=body.model,
+                         messages=[m.as_dict() for m in body.messages], sampling=body.sampling())
+    return await _serve(request, body, _Shape(True, body.model), "chat", stream)
+
+
+@router.post("/completions", responses={**SSE_OK, **OPENAI_ERRORS})
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    stream = open_stream(request, request.app.state.upstream, model=body.model,
+                         prompt=body.prompt_value(), sampling=body.sampling())
+    return await _serve(request, body, _Shape(False, body.model), "completions", stream)
+
+
+@router.get("/models", responses=OPENAI_ERRORS)
+async def list_models(request: Request) -> dict[str, Any]:
+    client = request.app.state.upstream.client(api_key(request))
+    models = await client.list_models()
+    return {"object": "list", "data": [
+        {"id": m.id, "object": "model", "created": 0, "owned_by": "tessera",
+         "revision": m.revision, "max_model_len": m.max_model_len,
+         "ready_workers": m.ready_workers} for m in models]}

@@ -1,0 +1,56 @@
+"""Workers-AI-style route: POST /ai/run/{model} (the model may hold slashes: `@cf/org/name`).
+
+Answers in Workers AI's envelope; with `"stream": true`, server-sent events of
+`{"response": "<text>"}`, then one with `usage`, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.client import AsyncStream
+from gateway.rest.docs import SSE_OK, WORKERS_AI_ERRORS
+from gateway.rest.errors import workers_ai_error_body
+from gateway.rest.openai_api import usage_body
+from gateway.rest.relay import SSE_DONE, SSE_HEADERS, Relay, sse
+from gateway.rest.schemas import Text, WorkersAIRequest
+from gateway.rest.upstream import open_stream, served_header
+from runtime.errors import TesseraError
+
+router = APIRouter(tags=["Workers-AI-style"])
+
+
+def envelope(result: dict[str, Any]) -> dict[str, Any]:
+    return {"result": result, "success": True, "errors": [], "messages": []}
+
+
+@router.post("/ai/run/{model:path}", responses={**SSE_OK, **WORKERS_AI_ERRORS})
+async def run_model(request: Request, model: Text, body: WorkersAIRequest) -> Response:
+    messages = None if body.messages is None else [m.as_dict() for m in body.messages]
+    stream = open_stream(request, request.app.state.upstream, model=model, prompt=body.prompt,
+                         messages=messages, sampling=body.sampling())
+    relay = await Relay(stream, request.app.state.stats, "ai.run").start()
+    if not body.stream:
+        text = await relay.text()
+        result = {"response": text, "usage": usage_body(stream),
+                  "finish_reason": stream.finish_reason}
+        return JSONResponse(envelope(result), headers=served_header(stream.served))
+    return StreamingResponse(_events(relay, stream), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
+
+
+async def _events(relay: Relay, stream: AsyncStream) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in relay.chunks():
+            if chunk.text:
+                yield sse({"response": chunk.text})
+    except TesseraError as e:  # after the status line: the error travels as an event
+        yield sse(workers_ai_error_body(e))
+        return
+    yield sse({"response": "", "usage": usage_body(stream),
+               "finish_reason": stream.finish_reason})
+    yield SSE_DONE
