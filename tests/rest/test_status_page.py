@@ -1,0 +1,68 @@
+"""The status endpoint and the status page, the page in headless chromium: it loads, shows the
+live numbers, and a test prompt streams into it. The screenshot is kept as a test artifact."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.rest.browser import Browser, find_or_install_chromium
+from tests.rest.conftest import KEYS, MODEL
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+
+def test_status_reports_workers_pages_tokens_and_reasons(shim) -> None:
+    httpx.post(f"{shim.url}/ai/run/{MODEL}", json={"prompt": "Hi", "max_tokens": 2},
+               headers=shim.headers(), timeout=60)
+    s = httpx.get(f"{shim.url}/status", timeout=30).json()
+    (pool,) = s["gateway"]["pools"]
+    assert pool["model"] == MODEL
+    (worker,) = [w for w in pool["workers"] if w["state"] == "ready"]
+    assert worker["pages_used"] + worker["pages_free"] == worker["pages_total"] > 0
+    assert worker["integrity_checks"] > 0 and "integrity_mismatches" in worker
+    assert s["gateway"]["requests_by_reason"]["OK"] >= 1
+    assert s["shim"]["requests_by_reason"]["OK"] >= 1
+    assert 0.0 <= s["gateway"]["tokens"]["cached_ratio"] <= 1.0
+    assert "acme" not in json.dumps(s), "no tenant names on an unauthenticated page"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    binary = find_or_install_chromium()
+    if binary is None:
+        pytest.skip("Debian's chromium is not installed and `apt-get install chromium` failed")
+    b = Browser(binary)
+    yield b
+    b.close()
+
+
+def test_status_page_shows_live_numbers_and_streams_a_test_prompt(shim, browser) -> None:
+    browser.navigate(f"{shim.url}/")
+    browser.wait_for("Number(document.body.dataset.polls || 0) >= 2")
+    cells = browser.wait_for("""(() => { const r = document.querySelector('#workers tr.worker');
+        return r && [...r.cells].map(c => c.textContent); })()""")
+    assert cells[0] == MODEL and cells[2] == "ready"
+    assert int(cells[5]) + int(cells[6]) > 0  # pages used + free
+    assert browser.evaluate("document.getElementById('reasons').textContent").count("OK") == 1
+    before = int(browser.evaluate("document.getElementById('prompt-tokens').textContent"))
+
+    browser.evaluate(f"""(() => {{
+        document.getElementById('api-key').value = {json.dumps(KEYS['acme'])};
+        document.getElementById('max-tokens').value = '12';
+        document.getElementById('send').click(); }})()""")
+    browser.wait_for("document.getElementById('stream-state').textContent === 'done'", 120)
+    output = browser.evaluate("document.getElementById('output').textContent")
+    chunks = int(browser.evaluate("document.getElementById('output').dataset.chunks"))
+    assert output.strip() and chunks > 1, "the answer must arrive in pieces"
+    assert "completion" in browser.evaluate("document.getElementById('usage').textContent")
+    browser.wait_for("Number(document.getElementById('prompt-tokens').textContent) > "
+                     f"{before}", 10)
+    path = browser.screenshot(ARTIFACTS / "status_page.png")
+    assert path.stat().st_size > 10_000
+    print(f"status page screenshot: {path}")
