@@ -100,12 +100,11 @@ class _StreamState:
         return chunk
 
     def _final(self, final: pb.Final) -> None:
-        u, s = final.usage, final.served
+        u = final.usage
         self.usage = Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
         self.finish_reason = final.finish_reason
         self.stop_reason = final.stop_reason or None
-        self.served = ServedInfo(s.model, s.revision, s.decode.weights, s.decode.kv_cache,
-                                 s.worker_id)
+        self.served = ServedInfo.from_proto(final.served)
 
     def _error(self, e: grpc.RpcError, slept_s: float) -> tuple[TesseraError, float | None]:
         error = from_rpc_error(e)

@@ -20,14 +20,22 @@ class ServedInfo:
 
     model: str
     revision: str
-    weights: str
-    kv_cache: str
+    prefill_weights: str
+    prefill_kv_cache: str
+    decode_weights: str
+    decode_kv_cache: str
     worker_id: str
 
     def to_proto(self) -> pb.ServedConfig:
-        phase = pb.PhaseFormat(weights=self.weights, kv_cache=self.kv_cache)
-        return pb.ServedConfig(model=self.model, revision=self.revision, prefill=phase,
-                               decode=phase, worker_id=self.worker_id)
+        return pb.ServedConfig(
+            model=self.model, revision=self.revision, worker_id=self.worker_id,
+            prefill=pb.PhaseFormat(weights=self.prefill_weights, kv_cache=self.prefill_kv_cache),
+            decode=pb.PhaseFormat(weights=self.decode_weights, kv_cache=self.decode_kv_cache))
+
+    @classmethod
+    def from_proto(cls, s: pb.ServedConfig) -> ServedInfo:
+        return cls(s.model, s.revision, s.prefill.weights, s.prefill.kv_cache, s.decode.weights,
+                   s.decode.kv_cache, s.worker_id)
 
 
 def sampling_params(opts: pb.SamplingOptions) -> SamplingParams:

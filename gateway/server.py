@@ -135,8 +135,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             self.gw.record_usage(tenant.name, resp.final.usage)
                         yield resp
                     break
-                except grpc.aio.AioRpcError as e:
-                    err = from_rpc_error(e)
+                except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+                    if isinstance(e, asyncio.CancelledError) and _cancelling():
+                        raise  # the client went away or its deadline passed
+                    err = (from_rpc_error(e) if isinstance(e, grpc.aio.AioRpcError)
+                           else WorkerLost(f"the call to worker {worker.id} was cut off"))
                     if isinstance(err, WorkerLost):
                         await pool.report_lost(worker)
                     if isinstance(err, WorkerLost) and not streamed \
@@ -162,6 +165,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             metrics.REQUESTS.labels(model or "?", reason).inc()
             bound.info("request done", reason=reason,
                        elapsed_s=round(time.perf_counter() - start, 4))
+
+
+def _cancelling() -> bool:
+    """Whether this task itself is being cancelled (not a call it awaited)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return True if cancelling is None else cancelling() > 0
 
 
 async def build_server(gateway: Gateway, host: str = "127.0.0.1",

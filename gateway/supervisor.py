@@ -139,6 +139,8 @@ class WorkerPool:
             self._begin_drain(worker, "recycle")
         if worker.state == "draining" and worker.inflight == 0:
             self._background(self._retire(worker))
+        if worker.id not in self.workers and worker.inflight == 0:
+            await worker.close_channel()
         await self._notify()
 
     async def report_lost(self, worker: WorkerHandle) -> None:
@@ -205,6 +207,8 @@ class WorkerPool:
         if worker.state != "stopped":  # nobody asked it to exit
             self._on_crash(worker, code)
         self.workers.pop(worker.id, None)
+        if worker.inflight == 0:
+            await worker.close_channel()
         self._update_gauges()
         await self._notify()
 

@@ -49,8 +49,7 @@ class WorkerHandle:
     def served(self) -> ServedInfo | None:
         if self.status is None:
             return None
-        s = self.status.served
-        return ServedInfo(s.model, s.revision, s.decode.weights, s.decode.kv_cache, s.worker_id)
+        return ServedInfo.from_proto(self.status.served)
 
     async def launch(self, command: list[str], env: dict[str, str], timeout_s: float) -> None:
         """Start the process and return once its Health RPC says it serves."""
@@ -90,11 +89,16 @@ class WorkerHandle:
         if self.process is None:
             return None
         code = await self.process.wait()
-        if self.channel is not None:
-            await self.channel.close()
+        # NOTE: the channel stays open: closing it would turn the in-flight calls' UNAVAILABLE
+        # (-> WORKER_LOST) into local cancellations. close_channel() runs once they are done.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         return code
+
+    async def close_channel(self) -> None:
+        if self.channel is not None:
+            channel, self.channel = self.channel, None
+            await channel.close()
 
     def kill(self) -> None:
         if self.process is not None and self.process.returncode is None:

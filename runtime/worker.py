@@ -125,9 +125,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 def _served(engine, model: str | None, worker_id: str) -> convert.ServedInfo:
     name = engine.checkpoint.revision.split(":")[0].removesuffix(".gguf") if model is None \
         else os.path.basename(os.path.normpath(model))
-    weights = str(engine.dtype).removeprefix("torch.")
-    kv = str(engine.kv_cache.spec.dtype).removeprefix("torch.")
-    return convert.ServedInfo(name, engine.checkpoint.revision, weights, kv, worker_id)
+    f = engine.formats
+    return convert.ServedInfo(name, engine.checkpoint.revision, f.prefill.weights.label,
+                              f.prefill.kv.name, f.decode.weights.label, f.decode.kv.name,
+                              worker_id)
 
 
 async def _exit_with_parent(stop: asyncio.Event, period_s: float = 1.0) -> None:
@@ -149,19 +150,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--tenant-page-quota", type=float, default=1.0)
     p.add_argument("--integrity", default="tags", choices=["tags", "off"])
+    fmts = p.add_argument_group("serving formats, as in `tessera generate`")
+    fmts.add_argument("--kv-cache-dtype", default="auto")
+    fmts.add_argument("--prefill-kv-cache-dtype", default="auto")
+    fmts.add_argument("--prefill-weights", default="auto")
+    fmts.add_argument("--decode-weights", default="auto")
+    fmts.add_argument("--weight-group-size", type=int, default=128)
+    fmts.add_argument("--weight-asymmetric", action="store_true")
+    fmts.add_argument("--serving-config", default=None, metavar="FILE")
     p.add_argument("--fault-tenant", default=None,
                    help="drills only: corrupt the page table of each request of this tenant")
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    from runtime.cli import format_kwargs
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
 
     worker_id = args.worker_id or f"worker-{os.getpid()}"
     config = EngineConfig(kv_cache_bytes=args.kv_cache_bytes, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-                          tenant_page_quota=args.tenant_page_quota, integrity=args.integrity)
+                          tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
+                          **format_kwargs(args))
     engine = LLMEngine.from_path(args.model, config)
     llm = AsyncLLM(engine)
     served = _served(engine, args.model, worker_id)

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from gateway.rest.app import MAX_BODY_BYTES, build_app
 from gateway.rest.status import GatewayView
 from gateway.rest.upstream import Upstream
+
+if TYPE_CHECKING:
+    from gateway.serve import GatewayRunner
 
 
 class RestServer:
@@ -49,3 +52,11 @@ class RestServer:
             await self._task
         await self.upstream.close()
         self._sock.close()
+
+
+def serve_rest(runner: GatewayRunner, host: str = "127.0.0.1", port: int = 8000) -> RestServer:
+    """The shim on a started GatewayRunner's event loop, its status page reading that gateway."""
+    assert runner.gateway is not None, "start the runner first"
+    server = RestServer(runner.target, host, port,
+                        view=GatewayView(runner.gateway, runner.loop))
+    return runner.call(server.start())

@@ -89,7 +89,8 @@ def test_final_message_carries_served_configuration(client) -> None:
     list(stream)
     served = stream.served
     assert served.revision.startswith("SmolLM2-135M-Instruct")
-    assert served.weights == "float32" and served.kv_cache == "float32"
+    assert (served.prefill_weights, served.decode_weights) == ("fp32", "fp32")
+    assert (served.prefill_kv_cache, served.decode_kv_cache) == ("fp32", "fp32")
     assert served.worker_id.startswith(MODEL)
 
 
