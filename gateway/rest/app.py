@@ -25,14 +25,14 @@ API_PREFIXES = ("/v1/", "/ai/")
 _HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "REQUEST_TOO_LARGE"}
 DESCRIPTION = """OpenAI-compatible and Workers-AI-style HTTP APIs of tessera, a client of its
 gRPC gateway: `Authorization: Bearer <api key>` and `x-session-affinity` pass through.
-Bodies are strict: unknown fields and mistyped values are refused with 400 (no coercion of
-`"0.5"` to a number); OpenAI fields tessera does not implement are accepted only at their
-neutral value (`n: 1`). Bodies over the size limit get 413. Errors: OpenAI routes answer
-`{"error": {"message", "type", "code", "param", "reason"}}`, `/ai/run` answers its envelope with
-`success: false`; the HTTP status follows the reason (400, 401, 403, 404, 409 for a KV integrity
-abort, 413, 429 with Retry-After when retrying helps, 503, 504). Non-streaming answers carry
-`x-tessera-served` (model, revision, weight/KV formats per phase, worker); OpenAI bodies carry
-the same as `system_fingerprint`."""
+Bodies are JSON whatever their content-type, and strict: unknown fields and mistyped values are
+refused with 400 (no coercion of `"0.5"` to a number); OpenAI fields tessera does not implement
+are accepted only at their neutral value (`n: 1`). Bodies over the size limit get 413.
+Errors: OpenAI routes answer `{"error": {"message", "type", "code", "param", "reason"}}`,
+`/ai/run` its envelope with `success: false`; the HTTP status follows the reason (400, 401,
+403, 404, 409 for a KV integrity abort, 413, 429 with Retry-After when retrying helps, 503,
+504). Non-streaming answers carry `x-tessera-served` (model, revision, weight/KV formats per
+phase, worker); OpenAI bodies carry the same as `system_fingerprint`."""
 
 
 def _wants_workers_ai(path: str) -> bool:
@@ -69,6 +69,11 @@ class Guard:
                                 f"{self.max_body_bytes} bytes", limit=self.max_body_bytes)
         if refusal is not None:
             return await error_response(refusal, _wants_workers_ai(path))(scope, receive, send)
+        # NOTE: bodies are JSON whatever the content-type says: `curl -d '{...}'` sends a form
+        # type, and Workers AI's and OpenAI's own examples rely on that working.
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
+                                      if k.lower() != b"content-type"]
+                 + [(b"content-type", b"application/json")]}
         received = 0
 
         async def limited() -> Any:

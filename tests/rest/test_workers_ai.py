@@ -88,3 +88,10 @@ def test_integrity_abort_mid_stream_arrives_as_an_error_event(shim) -> None:
     last = json.loads(sse_data(r.text)[-1])
     assert last["success"] is False
     assert last["errors"][0]["reason"] == "KV_INTEGRITY_VIOLATION"
+
+
+def test_curl_style_body_without_json_content_type_is_read_as_json(shim) -> None:
+    r = httpx.post(f"{shim.url}/ai/run/{MODEL}", content=b'{"prompt": "Hi", "max_tokens": 2}',
+                   headers={**shim.headers(),
+                            "content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert r.status_code == 200 and r.json()["success"] is True
