@@ -18,6 +18,8 @@ from gateway.supervisor import PoolConfig, WorkerPool
 
 log = get_logger("tessera.serve")
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+_FORMAT_FLAGS = ("--kv-cache-dtype", "--prefill-kv-cache-dtype", "--prefill-weights",
+                 "--decode-weights", "--serving-config")
 
 
 class GatewayRunner:
@@ -104,8 +106,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000,
                    help="REST shim: OpenAI-compatible /v1, Workers-AI-style /ai/run, status at /")
     p.add_argument("--no-http", action="store_true", help="do not start the REST shim")
+    fmts = p.add_argument_group("serving formats, passed to every worker")
+    for flag in _FORMAT_FLAGS:
+        fmts.add_argument(flag, default=None)
     p.set_defaults(fn=cmd_serve)
     return p
+
+
+def _worker_format_args(args: argparse.Namespace) -> tuple[str, ...]:
+    out: list[str] = []
+    for flag in _FORMAT_FLAGS:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None:
+            out += [flag, value]
+    return tuple(out)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -115,7 +129,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_workers=args.max_workers, max_inflight=args.max_inflight,
                       max_queue=args.max_queue, kv_cache_bytes=args.kv_cache_bytes,
                       idle_ttl_s=args.idle_ttl_s,
-                      recycle_after_requests=args.recycle_after_requests)
+                      recycle_after_requests=args.recycle_after_requests,
+                      worker_args=_worker_format_args(args))
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
