@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter("tessera_gateway_requests_total", "Finished requests by model and outcome",
@@ -18,3 +20,34 @@ WORKERS = Gauge("tessera_gateway_workers", "Worker processes by state", ["model"
 COLD_START = Histogram("tessera_gateway_worker_cold_start_seconds",
                        "Spawn to healthy, per worker", ["model"],
                        buckets=(1, 2.5, 5, 10, 20, 40, 80, 160))
+# Read from each worker's Status RPC by the supervisor (workers have no HTTP port of their own).
+WORKER_PAGES = Gauge("tessera_worker_kv_pages", "KV pages by state (free, cached, used)",
+                     ["model", "worker", "state"])
+WORKER_SEQS = Gauge("tessera_worker_sequences", "Sequences by state (running, waiting)",
+                    ["model", "worker", "state"])
+WORKER_INTEGRITY = Gauge("tessera_worker_integrity", "Integrity checks run and mismatches found",
+                         ["model", "worker", "kind"])
+
+
+def record_worker_status(model: str, s: Any) -> None:
+    """s: a worker.proto StatusResponse."""
+    w = s.worker_id
+    free, cached = s.num_free_pages, s.prefix_cache.cached_pages
+    for state, n in (("free", free), ("cached", cached),
+                     ("used", max(0, s.num_pages - free - cached))):
+        WORKER_PAGES.labels(model, w, state).set(n)
+    for state, n in (("running", s.num_running), ("waiting", s.num_waiting)):
+        WORKER_SEQS.labels(model, w, state).set(n)
+    for kind, n in (("checks", s.integrity_checks), ("mismatches", s.integrity_mismatches)):
+        WORKER_INTEGRITY.labels(model, w, kind).set(n)
+
+
+def forget_worker(model: str, worker: str) -> None:
+    for gauge, states in ((WORKER_PAGES, ("free", "cached", "used")),
+                          (WORKER_SEQS, ("running", "waiting")),
+                          (WORKER_INTEGRITY, ("checks", "mismatches"))):
+        for state in states:
+            try:
+                gauge.remove(model, worker, state)
+            except KeyError:
+                pass

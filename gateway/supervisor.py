@@ -5,6 +5,7 @@ through a bounded queue; past it, OVERLOADED with a retry hint."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sys
 import tempfile
@@ -207,6 +208,7 @@ class WorkerPool:
         if worker.state != "stopped":  # nobody asked it to exit
             self._on_crash(worker, code)
         self.workers.pop(worker.id, None)
+        metrics.forget_worker(self.config.model_id, worker.id)
         if worker.inflight == 0:
             await worker.close_channel()
         self._update_gauges()
@@ -239,9 +241,20 @@ class WorkerPool:
                and time.monotonic() >= self._next_spawn_at):
             self._spawn()
 
-    async def _maintain(self, period_s: float = 0.25) -> None:
-        while not self._closed:
+    async def _poll_status(self) -> None:
+        """Refresh each ready worker's status (pages, load, integrity): metrics, ListModels."""
+        for w in self.ready():
+            status = await w.read_status()
+            if status is not None:
+                metrics.record_worker_status(self.config.model_id, status)
+
+    async def _maintain(self, period_s: float = 0.25, status_every: int = 8) -> None:
+        for tick in itertools.count():
+            if self._closed:
+                return
             await asyncio.sleep(period_s)
+            if tick % status_every == 0:
+                await self._poll_status()
             now = time.monotonic()
             cfg = self.config
             for w in self.ready():

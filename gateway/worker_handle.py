@@ -79,6 +79,13 @@ class WorkerHandle:
         self.kill()
         raise WorkerLost(f"worker {self.id} not healthy after {timeout_s:.0f} s")
 
+    async def read_status(self, timeout_s: float = 2.0) -> wpb.StatusResponse | None:
+        try:
+            self.status = await self.stub.Status(wpb.StatusRequest(), timeout=timeout_s)
+        except (grpc.aio.AioRpcError, AttributeError):
+            return None
+        return self.status
+
     async def answers_health(self, timeout_s: float = 1.0) -> bool:
         try:
             return (await self.stub.Health(wpb.HealthRequest(), timeout=timeout_s)).serving

@@ -134,3 +134,24 @@ def test_async_client_streams_the_same_tokens(two_workers, client) -> None:
     stream, texts = asyncio.run(run())
     assert stream.token_ids == sync.token_ids and "".join(texts) == sync.text
     assert stream.usage == sync.usage
+
+
+def test_prometheus_metrics_cover_requests_tokens_workers_and_pages(two_workers, client) -> None:
+    from prometheus_client import REGISTRY
+
+    from tests.gateway.conftest import wait_for
+
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = value("tessera_gateway_requests_total", model=MODEL, reason="OK")
+    list(client.generate("Hello", max_tokens=2))
+    assert value("tessera_gateway_requests_total", model=MODEL, reason="OK") == before + 1
+    assert value("tessera_gateway_tokens_total", tenant="acme", kind="completion") >= 2
+    assert value("tessera_gateway_ttft_seconds_count", model=MODEL) >= 1
+    assert value("tessera_gateway_workers", model=MODEL, state="ready") == 2
+    assert value("tessera_gateway_worker_cold_start_seconds_count", model=MODEL) >= 2
+    worker = next(iter(two_workers.gateway.pools[MODEL].ready())).id
+    wait_for(lambda: value("tessera_worker_kv_pages", model=MODEL, worker=worker,
+                           state="free") > 0, 10, "the worker status poll")
+    assert value("tessera_worker_integrity", model=MODEL, worker=worker, kind="checks") > 0
