@@ -73,6 +73,16 @@ def test_other_tenant_gets_no_cache_hit_for_the_same_prompt(two_workers, client)
     assert stream.usage.cached_tokens == 0
 
 
+def test_without_session_a_repeated_long_prompt_goes_where_its_prefix_is_cached(client) -> None:
+    prompt = LONG_PROMPT + " Answer for a child."
+    first = client.generate(prompt, max_tokens=2, temperature=0.0)
+    list(first)
+    second = client.generate(prompt, max_tokens=2, temperature=0.0)
+    list(second)
+    assert second.served.worker_id == first.served.worker_id
+    assert second.usage.cached_tokens > 0
+
+
 def test_session_requests_land_on_one_worker(client) -> None:
     for name in ("alpha", "beta", "gamma"):
         session = client.session(name)
