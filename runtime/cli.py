@@ -1,4 +1,4 @@
-"""The `tessera` command: generate, chat, plan (and, in later issues, serve)."""
+"""The `tessera` command: generate, chat, plan, convert, serve."""
 
 from __future__ import annotations
 
@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.cli_convert import add_convert_parser
 
     add_convert_parser(sub)
+    from gateway.serve import add_serve_parser
+
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.fn(args))

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from kernels import (
+    kv_fp8,
     paged_decode_attention,
     paged_prefill_attention,
     ref_paged_decode_attention,
     store_kv,
 )
-from kernels.kv_fp8 import gather_e4m3_rows, ref_gather_e4m3_rows
+from kernels.kv_fp8 import ref_gather_e4m3_rows
 from runtime.quant import dequantize_fp8_kv
 
 HEADS, KV_HEADS, DIM, PAGE = 6, 2, 64, 16
@@ -107,13 +108,15 @@ def test_prefill_attention_with_history_matches_dense(fmt, tol):
         torch.testing.assert_close(out[i], want, atol=tol, rtol=tol)
 
 
-def test_compiled_e4m3_gather_is_bit_exact_for_every_finite_byte():
+def test_compiled_e4m3_gather_is_bit_exact_for_every_finite_byte(monkeypatch):
+    monkeypatch.setattr(kv_fp8, "EAGER_MAX_ELEMENTS", 0)  # small input: force the compiled path
     finite = [b for b in range(256) if b & 0x7F != 0x7F]  # 0x7F / 0xFF are NaN in e4m3fn
     flat = torch.tensor(finite * 3, dtype=torch.uint8).view(6, -1)
     rows = torch.tensor([5, 0, 3, 3])
     want = flat.index_select(0, rows).view(torch.float8_e4m3fn).float()
     assert torch.equal(ref_gather_e4m3_rows(flat, rows), want)
-    assert torch.equal(gather_e4m3_rows(flat, rows), want)
+    assert torch.equal(kv_fp8.gather_e4m3_rows(flat, rows), want)
+    assert kv_fp8._compiled is not None or kv_fp8._compile_failed
 
 
 def test_fp8_pages_survive_outliers_nan_and_inf():
