@@ -1,4 +1,5 @@
-"""structlog JSON logs, one object per line on stderr; callers bind request id, tenant, worker."""
+"""structlog JSON logs, one object per line on stderr; callers bind request id, tenant, worker.
+Standard-library log records (the engine's) are rendered as the same JSON."""
 
 from __future__ import annotations
 
@@ -10,22 +11,36 @@ import structlog
 _configured = False
 
 
+class _Stderr:
+    """Whatever sys.stderr is at write time (test capture, a redirect), not at configure time."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(level: str = "INFO") -> None:
     global _configured
     if _configured:
         return
     _configured = True
-    logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
+    shared: list = [structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True)]
+    handler = logging.StreamHandler(_Stderr())  # type: ignore[arg-type]
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.JSONRenderer()],
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared]))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(level)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
+        processors=[structlog.contextvars.merge_contextvars, *shared,
+                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
 

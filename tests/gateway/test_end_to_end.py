@@ -165,3 +165,16 @@ def test_prometheus_metrics_cover_requests_tokens_workers_and_pages(two_workers,
     wait_for(lambda: value("tessera_worker_kv_pages", model=MODEL, worker=worker,
                            state="free") > 0, 10, "the worker status poll")
     assert value("tessera_worker_integrity", model=MODEL, worker=worker, kind="checks") > 0
+
+
+def test_gateway_logs_are_json_with_request_tenant_and_worker_and_no_key(client, capfd) -> None:
+    import json
+
+    stream = client.generate("Hello", max_tokens=1)
+    list(stream)
+    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines()
+             if line.startswith("{")]
+    done = [r for r in lines if r.get("event") == "request done"]
+    assert done and done[-1]["tenant"] == "acme"
+    assert done[-1]["worker"] == stream.served.worker_id and done[-1]["request_id"]
+    assert not any(KEYS["acme"] in json.dumps(r) for r in lines)
