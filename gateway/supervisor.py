@@ -12,7 +12,7 @@ import tempfile
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from gateway import metrics
 from gateway.logs import get_logger
@@ -100,7 +100,7 @@ class WorkerPool:
                 while True:
                     worker = self.router.pick(self.live(), session, prefix_key)
                     if worker is not None:
-                        assert isinstance(worker, WorkerHandle)
+                        worker = cast(WorkerHandle, worker)
                         worker.inflight += 1
                         worker.last_used = time.monotonic()
                         return worker
@@ -253,21 +253,29 @@ class WorkerPool:
             if self._closed:
                 return
             await asyncio.sleep(period_s)
-            if tick % status_every == 0:
-                await self._poll_status()
-            now = time.monotonic()
-            cfg = self.config
-            for w in self.ready():
-                idle = w.inflight == 0 and now - w.last_used >= (cfg.idle_ttl_s or float("inf"))
-                if idle and len(self.live()) > cfg.min_workers:
-                    self.stats.reaped += 1
-                    self._begin_drain(w, "idle")
-                elif cfg.recycle_after_s is not None and now - w.ready_at >= cfg.recycle_after_s:
-                    self._begin_drain(w, "recycle")
-                if w.state == "draining" and w.inflight == 0:
-                    await self._retire(w)
-            await self._ensure_min()
-            self._update_gauges()
+            try:
+                if tick % status_every == 0:
+                    await self._poll_status()
+                await self.tick()
+            except Exception:  # a failed pass must not end maintenance for good
+                log.exception("pool maintenance failed", model=self.config.model_id)
+
+    async def tick(self, now: float | None = None) -> None:
+        """One maintenance pass: reap idle workers above the minimum, recycle old ones,
+        retire drained ones, start workers up to the minimum."""
+        now = time.monotonic() if now is None else now
+        cfg = self.config
+        for w in self.ready():
+            idle = w.inflight == 0 and now - w.last_used >= (cfg.idle_ttl_s or float("inf"))
+            if idle and len(self.live()) > cfg.min_workers:
+                self.stats.reaped += 1
+                self._begin_drain(w, "idle")
+            elif cfg.recycle_after_s is not None and now - w.ready_at >= cfg.recycle_after_s:
+                self._begin_drain(w, "recycle")
+            if w.state == "draining" and w.inflight == 0:
+                await self._retire(w)
+        await self._ensure_min()
+        self._update_gauges()
 
     def _update_gauges(self) -> None:
         for state in ("starting", "ready", "draining"):
