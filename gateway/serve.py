@@ -102,6 +102,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=128, help="waiting requests per model")
     p.add_argument("--idle-ttl-s", type=float, default=None)
     p.add_argument("--recycle-after-requests", type=int, default=None)
+    p.add_argument("--recycle-after-s", type=float, default=None)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics")
     p.add_argument("--http-port", type=int, default=8000,
                    help="REST shim: OpenAI-compatible /v1, Workers-AI-style /ai/run, status at /")
@@ -130,6 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_queue=args.max_queue, kv_cache_bytes=args.kv_cache_bytes,
                       idle_ttl_s=args.idle_ttl_s,
                       recycle_after_requests=args.recycle_after_requests,
+                      recycle_after_s=args.recycle_after_s,
                       worker_args=_worker_format_args(args))
     if args.metrics_port is not None:
         from prometheus_client import start_http_server

@@ -106,12 +106,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         rid = f"req-{uuid.uuid4().hex[:16]}"
         start = time.perf_counter()
         bound = log.bind(request_id=rid)
-        reason = "OK"
+        reason, label = "OK", "?"  # NOTE: only served model ids become metric labels
         try:
             tenant = self.gw.keys.authenticate(context.invocation_metadata())
             bound = bound.bind(tenant=tenant.name)
             pool = self.gw.pool_for(tenant, model)
-            model = pool.config.model_id
+            label = model = pool.config.model_id
             session = dict(context.invocation_metadata() or ()).get(SESSION_KEY) or None
             prefix_key = None
             if session is None and len(prefix) >= PREFIX_CHARS:
@@ -162,7 +162,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             bound.exception("request failed")
             await context.abort_with_status(to_status(e))
         finally:
-            metrics.REQUESTS.labels(model or "?", reason).inc()
+            metrics.REQUESTS.labels(label, reason).inc()
             bound.info("request done", reason=reason,
                        elapsed_s=round(time.perf_counter() - start, 4))
 
