@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -64,6 +65,7 @@ class PoolStats:
 class WorkerPool:
     def __init__(self, config: PoolConfig, run_dir: str | None = None) -> None:
         self.config = config
+        self._own_run_dir = run_dir is None
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="tessera-")
         self.router = Router()
         self.workers: dict[str, WorkerHandle] = {}
@@ -293,3 +295,5 @@ class WorkerPool:
         await self._notify()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)

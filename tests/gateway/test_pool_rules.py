@@ -27,7 +27,7 @@ class StandIn:
 
 
 def pool_with(n: int, now: float = 100.0, **config: object) -> tuple[WorkerPool, list[StandIn]]:
-    pool = WorkerPool(PoolConfig("m", **config))  # type: ignore[arg-type]
+    pool = WorkerPool(PoolConfig("m", **config), run_dir="unused")  # type: ignore[arg-type]
     workers = [StandIn(f"w{i}", now) for i in range(n)]
     pool.workers = {w.id: w for w in workers}  # type: ignore[misc]
     return pool, workers
