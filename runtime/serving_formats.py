@@ -61,6 +61,12 @@ class ServingFormats:
             if name == "auto":
                 return checkpoint_format or WeightFormat(dense)
             fmt = WeightFormat.parse(name, group_size, symmetric)
+            if fmt.name in ("fp32", "bf16", "fp16") and fmt.name != dense:
+                raise InvalidArgument(
+                    f"{phase} weights {fmt.name} differ from the compute dtype {dense}: "
+                    f"unquantized weights are served in the compute dtype (set dtype to "
+                    f"choose it); only fp8 and int4 weights are decoded on the fly",
+                    field=f"{phase}_weights")
             if checkpoint_format is not None and fmt != checkpoint_format:
                 raise InvalidArgument(
                     f"{phase} weights {fmt.label!r} cannot be served from a checkpoint stored "

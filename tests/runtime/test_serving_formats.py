@@ -46,9 +46,15 @@ def test_group_size_does_not_split_identical_dense_formats():
 ])
 def test_senseless_combinations_are_refused_with_the_reason(kwargs, field):
     with pytest.raises(InvalidArgument) as e:
-        ServingFormats.resolve("float32", **kwargs)
+        ServingFormats.resolve("bfloat16", **kwargs)
     assert e.value.metadata["field"] == field
     assert len(e.value.message) > 30
+
+
+def test_dense_weights_other_than_the_compute_dtype_are_refused():
+    with pytest.raises(InvalidArgument, match="compute dtype") as e:
+        ServingFormats.resolve("float32", decode_weights="bf16")
+    assert e.value.metadata["field"] == "decode_weights"
 
 
 def test_a_quantized_checkpoint_is_served_as_stored():
@@ -56,7 +62,7 @@ def test_a_quantized_checkpoint_is_served_as_stored():
     f = ServingFormats.resolve("float32", checkpoint_format=stored)
     assert f.prefill.weights == f.decode.weights == stored
     with pytest.raises(InvalidArgument, match="served as stored"):
-        ServingFormats.resolve("float32", prefill_weights="bf16", checkpoint_format=stored)
+        ServingFormats.resolve("float32", prefill_weights="fp8", checkpoint_format=stored)
 
 
 def test_serving_config_file(tmp_path):

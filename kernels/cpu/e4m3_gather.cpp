@@ -1,0 +1,36 @@
+// Gather whole (head, page) rows of fp8 e4m3 KV bytes and decode them to float32.
+// The decode is the exact integer-bit form (sign and exponent/mantissa bits shifted into an
+// fp32 pattern, times 2^120); one pass, no per-call dispatch cost.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+torch::Tensor gather_e4m3_rows(torch::Tensor flat, torch::Tensor rows) {
+  TORCH_CHECK(flat.dtype() == torch::kUInt8 && flat.is_contiguous() && flat.dim() == 2,
+              "flat must be a contiguous 2-d uint8 tensor");
+  TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1, "rows must be 1-d int64");
+  auto rows_c = rows.contiguous();
+  const int64_t n = flat.size(1), k = rows_c.size(0), total = flat.size(0);
+  auto out = torch::empty({k, n}, flat.options().dtype(torch::kFloat32));
+  const uint8_t* src = flat.data_ptr<uint8_t>();
+  const int64_t* r = rows_c.data_ptr<int64_t>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < k; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < total, "row out of range");
+  at::parallel_for(0, k, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* s = src + r[i] * n;
+      float* d = dst + i * n;
+      for (int64_t j = 0; j < n; ++j) {
+        uint32_t x = s[j];
+        uint32_t bits = ((x & 0x80u) << 24) | ((x & 0x7Fu) << 20);
+        float f;
+        std::memcpy(&f, &bits, 4);
+        d[j] = f * 0x1p120f;
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gather_e4m3_rows", &gather_e4m3_rows); }
