@@ -28,6 +28,10 @@ def engine_for(label: str, args: argparse.Namespace) -> LLM:
     fmt = FORMATS[label]
     kwargs: dict = dict(kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=4,
                         enable_prefix_caching=False)
+    if fmt.name in ("bf16", "fp16", "fp32"):
+        # Unquantized weights are served in the compute dtype: fp32 on CPU (a bf16 matmul
+        # would need bf16 activations), so this row is the engine's dense baseline.
+        return LLM(**kwargs)
     params = inspect.signature(LLM).parameters
     native = "decode_weights" in params and not args.swap_models
     if native and (fmt.symmetric or "weight_symmetric" in params):
