@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from runtime.errors import InvalidArgument, TesseraError
+from runtime.errors import TesseraError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -57,15 +57,9 @@ def _build(args: argparse.Namespace):
 def format_kwargs(args: argparse.Namespace) -> dict:
     """The LLM keyword arguments for the serving formats named on the command line."""
     if args.serving_config:
-        import json
+        from runtime.serving_formats import read_serving_config
 
-        from runtime.serving_formats import serving_kwargs
-
-        try:
-            kw = serving_kwargs(json.loads(open(args.serving_config).read()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise InvalidArgument(f"cannot read serving config {args.serving_config}: {e}",
-                                  field="serving_config") from e
+        kw = read_serving_config(args.serving_config)
         kw["weight_group_size"] = kw.pop("group_size", args.weight_group_size)
         kw["weight_symmetric"] = kw.pop("symmetric", not args.weight_asymmetric)
         return kw

@@ -17,7 +17,6 @@ from runtime.errors import (
     TenantQuotaExceeded,
     TesseraError,
 )
-from runtime.formats import WeightFormat, canonical_name
 from runtime.integrity import TRACKERS, Violation
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
@@ -115,17 +114,12 @@ class LLMEngine:
         base = model.to(self.device).eval()
         if stored is not None:
             return base, base  # served as stored (ServingFormats refuses anything else)
-        prefill = self._convert(base, self.formats.prefill.weights)
+        from runtime.quant.convert import convert_model  # returns `base` for its own dtype
+
+        prefill = convert_model(base, self.formats.prefill.weights)
         if self.formats.shares_weights:
             return prefill, prefill
-        return prefill, self._convert(base, self.formats.decode.weights)
-
-    def _convert(self, base: torch.nn.Module, fmt: WeightFormat) -> torch.nn.Module:
-        if fmt.name == canonical_name(str(self.dtype)):
-            return base
-        from runtime.quant.convert import convert_model
-
-        return convert_model(base, fmt)
+        return prefill, convert_model(base, self.formats.decode.weights)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -102,12 +102,17 @@ class ServingFormats:
     def from_file(cls, path: str | Path, compute_dtype: str) -> ServingFormats:
         """Read {"prefill": {"weights":..., "kv_cache_dtype":...}, "decode": {...},
         "group_size": 128, "symmetric": true} from a JSON file."""
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise InvalidArgument(f"cannot read serving config {path}: {e}",
-                                  field="serving_config") from e
-        return cls.resolve(compute_dtype, **serving_kwargs(raw))
+        return cls.resolve(compute_dtype, **read_serving_config(path))
+
+
+def read_serving_config(path: str | Path) -> dict[str, Any]:
+    """The `resolve` keyword arguments named by a serving-config JSON file."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidArgument(f"cannot read serving config {path}: {e}",
+                              field="serving_config") from e
+    return serving_kwargs(raw)
 
 
 def serving_kwargs(raw: Any) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -40,8 +41,16 @@ def expect(cls: type[TesseraError], stream) -> TesseraError:
 
 
 def test_unknown_key_is_unauthenticated(two_workers) -> None:
-    with client_for(two_workers, key="not-a-key") as c:
-        expect(Unauthenticated, c.generate("Hi", max_tokens=2))
+    def usage() -> dict[str, dict[str, int]]:
+        return {t: dict(c) for t, c in two_workers.gateway.usage.items()}
+
+    before = usage()
+    with client_for(two_workers, key="not-a-key-0123") as c:
+        stream = c.generate("Hi", max_tokens=2)
+        err = expect(Unauthenticated, stream)
+    assert stream.token_ids == [] and stream.usage is None  # refused before any worker ran
+    assert "not-a-key-0123" not in str(err) and "not-a-key-0123" not in str(err.metadata)
+    assert usage() == before  # no tenant was charged
 
 
 def test_model_outside_the_tenants_list_is_permission_denied(two_workers) -> None:
@@ -86,8 +95,12 @@ def test_corrupted_page_mid_stream_is_kv_integrity_violation(two_workers) -> Non
 
 def test_client_deadline_is_deadline_exceeded_and_frees_the_request(two_workers) -> None:
     with client_for(two_workers) as c:
-        expect(DeadlineExceeded, c.generate("Count:", max_tokens=600, ignore_eos=True,
-                                            timeout_s=1.0))
+        start = time.monotonic()
+        stream = c.generate("Count:", max_tokens=600, ignore_eos=True, timeout_s=1.0)
+        expect(DeadlineExceeded, stream)
+        elapsed_s = time.monotonic() - start
+    assert elapsed_s < 10, "the deadline ended the call, not the 600 tokens"
+    assert len(stream.token_ids) < 600 and stream.usage is None
     wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
 
 
