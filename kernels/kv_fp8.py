@@ -1,9 +1,10 @@
 """FP8 (e4m3) KV pages on the CPU path: gather whole (head, page) rows and decode their bytes.
 
 The decode is integer bit arithmetic, exact for every finite e4m3 value. It runs in a small C++
-op (`kernels/cpu/e4m3_gather.cpp`, built once per machine with torch's cpp_extension): ~10 us
-per call at decode sizes and ~0.8 ns per element, about the cost of reading bf16 pages. Without
-a C++ toolchain it falls back to the same arithmetic in torch ops (~2.6 ns per element).
+op (`kernels/cpu/e4m3_gather.cpp`, built once per machine with torch's cpp_extension): ~12 us
+per call at small sizes and ~0.8 ns per element, 2-4x the torch ops on small batches but still
+~3.5x a bf16 gather-and-cast (`python3 -m ops.bench.bench_kv_gather`; its loop is not
+vectorized yet). Without a C++ toolchain it falls back to the same arithmetic in torch ops.
 (`torch.compile` of the torch version was tried: a 0.4 ns loop, but ~150 us of guard and
 dispatch cost per call, 60 calls a step, made fp8 decode 15-25% slower than bf16; and it needs
 the same C++ compiler.) Per-(token, head) scales are not applied here: decode attention folds
