@@ -4,12 +4,15 @@ The reference twins gather a sequence's pages into contiguous per-head context a
 batched matmuls; query heads are grouped under their KV head (GQA) so nothing is repeated.
 Pages may be fp32/bf16/fp16, or fp8 e4m3 bytes (uint8) with one scale per (token, head):
 decode folds those scales into scores and probabilities, prefill dequantizes the context.
+On CPU, decode runs the C++ op (`kernels/cpu/paged_decode.cpp`), which reads pages in their
+storage format row by row instead of gathering a float copy; the torch twin is its oracle.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.cpu_ops import native
 from kernels.kv_fp8 import gather_e4m3_rows
 
 
@@ -44,13 +47,15 @@ def _gather_scales(scale: torch.Tensor, page_ids: torch.Tensor,
 
 
 def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               page_table: torch.Tensor, mask: torch.Tensor, scale: float,
+                               page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                k_scale: torch.Tensor | None = None,
                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    # q: [batch, heads, dim]; page_table: [batch, max_pages]; mask: [batch, max_pages*page_size]
+    # q: [batch, heads, dim]; page_table: [batch, max_pages]; context_lens: [batch] long
     batch, num_heads, dim = q.shape
-    kv_heads = k_cache.shape[0]
+    kv_heads, _, page_size, _ = k_cache.shape
     group = num_heads // kv_heads
+    positions = torch.arange(page_table.shape[1] * page_size, device=q.device)
+    mask = positions.unsqueeze(0) < context_lens.unsqueeze(1)
     rows = _page_rows(k_cache, page_table)
     k = _gather_pages(k_cache, page_table, rows, q.dtype)  # [kv_heads, batch, L, dim]
     v = _gather_pages(v_cache, page_table, rows, q.dtype)
@@ -93,10 +98,14 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           page_table: torch.Tensor, mask: torch.Tensor, scale: float,
+                           page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    return ref_paged_decode_attention(q, k_cache, v_cache, page_table, mask, scale,
+    ops = native() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+    if ops is None:
+        return ref_paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale,
+                                          k_scale, v_scale)
+    return ops.paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale,
                                       k_scale, v_scale)
 
 

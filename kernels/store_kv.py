@@ -1,8 +1,14 @@
-"""Write new tokens' K and V into their page slots, in place (quantizing for fp8 pages)."""
+"""Write new tokens' K and V into their page slots, in place (quantizing for fp8 pages).
+
+On CPU the C++ op (`kernels/cpu/store_kv.cpp`) does each of K and V in one call, bit for bit
+the torch twin's result.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from kernels.cpu_ops import native
 
 
 def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
@@ -33,4 +39,9 @@ def ref_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
-    ref_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    ops = native() if k.device.type == "cpu" and k.dtype == torch.float32 else None
+    if ops is None:
+        ref_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
+    ops.store_kv_rows(k, k_cache, slot_mapping, k_scale)
+    ops.store_kv_rows(v, v_cache, slot_mapping, v_scale)

@@ -31,7 +31,7 @@ class DecodeGroup:
     start: int
     end: int
     page_table: torch.Tensor  # [end - start, max_pages] long
-    mask: torch.Tensor  # [end - start, max_pages * page_size] bool, True = attend
+    context_lens: torch.Tensor  # [end - start] long: tokens each sequence attends to
 
 
 @dataclass

@@ -93,8 +93,8 @@ class ModelRunner:
         for i in range(1, len(decodes) + 1):
             if i == len(decodes) or (len(decodes[i].seq.page_table)
                                      > 2 * len(decodes[start].seq.page_table)):
-                table, mask = self._decode_tables(decodes[start:i])
-                groups.append(DecodeGroup(start, i, table, mask))
+                table, lens = self._decode_tables(decodes[start:i])
+                groups.append(DecodeGroup(start, i, table, lens))
                 start = i
         return groups
 
@@ -106,8 +106,7 @@ class ModelRunner:
             ids = [ref.page_id for ref in item.seq.page_table]
             table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             lens[i] = item.seq.num_computed_tokens + 1
-        mask = torch.arange(max_pages * self.page_size).unsqueeze(0) < lens.unsqueeze(1)
-        return table.to(self.device), mask.to(self.device)
+        return table.to(self.device), lens.to(self.device)
 
     def _prefill_slice(self, item: ScheduledSequence, offset: int) -> PrefillSlice:
         seq = item.seq

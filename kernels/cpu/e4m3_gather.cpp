@@ -4,7 +4,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cstring>
+#include "rows.h"
+
+namespace tessera {
 
 torch::Tensor gather_e4m3_rows(torch::Tensor flat, torch::Tensor rows) {
   TORCH_CHECK(flat.dtype() == torch::kUInt8 && flat.is_contiguous() && flat.dim() == 2,
@@ -17,20 +19,14 @@ torch::Tensor gather_e4m3_rows(torch::Tensor flat, torch::Tensor rows) {
   const int64_t* r = rows_c.data_ptr<int64_t>();
   float* dst = out.data_ptr<float>();
   for (int64_t i = 0; i < k; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < total, "row out of range");
-  at::parallel_for(0, k, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, k, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* s = src + r[i] * n;
       float* d = dst + i * n;
-      for (int64_t j = 0; j < n; ++j) {
-        uint32_t x = s[j];
-        uint32_t bits = ((x & 0x80u) << 24) | ((x & 0x7Fu) << 20);
-        float f;
-        std::memcpy(&f, &bits, 4);
-        d[j] = f * 0x1p120f;
-      }
+      load_row(s, d, n);
     }
   });
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gather_e4m3_rows", &gather_e4m3_rows); }
+}  // namespace tessera

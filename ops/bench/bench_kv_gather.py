@@ -19,6 +19,7 @@ import time
 import torch
 
 from kernels import kv_fp8
+from kernels.cpu_ops import native as cpu_ops
 from kernels.paged_attention import _page_rows
 
 HEADS, PAGE, DIM = 3, 16, 64
@@ -43,7 +44,7 @@ def main() -> None:
     x = torch.randn(HEADS, args.pages, PAGE, DIM)
     caches = {"fp32": x, "bf16": x.bfloat16(),
               "fp8": x.to(torch.float8_e4m3fn).view(torch.uint8)}
-    native = kv_fp8._native()
+    native = cpu_ops()
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()}, {args.threads} threads, "
           f"C++ op {'built' if native is not None else 'unavailable'}")
     print("| batch x pages | elements | fp32 us | bf16 us | fp8 C++ us | fp8 torch ops us |")

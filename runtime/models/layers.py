@@ -101,7 +101,7 @@ class PagedAttention(nn.Module):
         parts = []
         for g in meta.decodes:
             parts.append(paged_decode_attention(q[g.start : g.end], kv.k, kv.v, g.page_table,
-                                                g.mask, self.scale, kv.k_scale, kv.v_scale))
+                                                g.context_lens, self.scale, kv.k_scale, kv.v_scale))
         for p in meta.prefills:
             parts.append(paged_prefill_attention(q[p.start : p.end], kv.k, kv.v, p.page_ids,
                                                  p.context_len, p.mask, self.scale,

@@ -57,8 +57,7 @@ def _decode_inputs(lengths: list[int], tables: list[list[int]]):
     table = torch.zeros(len(tables), max_pages, dtype=torch.long)
     for i, t in enumerate(tables):
         table[i, : len(t)] = torch.tensor(t)
-    mask = torch.arange(max_pages * PAGE)[None] < torch.tensor(lengths)[:, None]
-    return table, mask
+    return table, torch.tensor(lengths)
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -73,9 +72,9 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 @pytest.mark.parametrize("lengths", [[1], [5, 16, 17], [33, 7, 64, 100]])
 def test_decode_attention_matches_dense_attention_within_format_error(fmt, tol, lengths):
     cache, tables, written = _fill(lengths, fmt)
-    table, mask = _decode_inputs(lengths, tables)
+    table, lens = _decode_inputs(lengths, tables)
     q = torch.randn(len(lengths), HEADS, DIM)
-    out = paged_decode_attention(q, cache[0], cache[1], table, mask, DIM**-0.5, *cache[2:])
+    out = paged_decode_attention(q, cache[0], cache[1], table, lens, DIM**-0.5, *cache[2:])
     assert torch.isfinite(out).all()
     for i, (k, v) in enumerate(written):
         want = _dense_attention(q[i], k, v)
@@ -86,12 +85,12 @@ def test_decode_attention_matches_dense_attention_within_format_error(fmt, tol, 
 def test_fp8_decode_equals_attention_over_dequantized_pages(lengths):
     """Folding the per-token scales into scores and probabilities is exact up to rounding."""
     cache, tables, _ = _fill(lengths, "fp8", seed=1)
-    table, mask = _decode_inputs(lengths, tables)
+    table, lens = _decode_inputs(lengths, tables)
     q = torch.randn(len(lengths), HEADS, DIM)
-    out = paged_decode_attention(q, cache[0], cache[1], table, mask, DIM**-0.5, *cache[2:])
+    out = paged_decode_attention(q, cache[0], cache[1], table, lens, DIM**-0.5, *cache[2:])
     k_deq = dequantize_fp8_kv(cache[0].view(torch.float8_e4m3fn), cache[2])
     v_deq = dequantize_fp8_kv(cache[1].view(torch.float8_e4m3fn), cache[3])
-    want = ref_paged_decode_attention(q, k_deq, v_deq, table, mask, DIM**-0.5)
+    want = ref_paged_decode_attention(q, k_deq, v_deq, table, lens, DIM**-0.5)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
@@ -115,9 +114,9 @@ def test_every_e4m3_gather_path_is_bit_exact_for_every_finite_byte(path, monkeyp
     if path == "native":
         if shutil.which("g++") is None:
             pytest.skip("no C++ compiler on this machine: the C++ op cannot be built")
-        assert kv_fp8._native() is not None, "the C++ op failed to build (see the log)"
+        assert kv_fp8.native() is not None, "the C++ op failed to build (see the log)"
     else:
-        monkeypatch.setattr(kv_fp8, "_native", lambda: None)
+        monkeypatch.setattr(kv_fp8, "native", lambda: None)
     finite = [b for b in range(256) if b & 0x7F != 0x7F]  # 0x7F / 0xFF are NaN in e4m3fn
     flat = torch.tensor(finite * 3, dtype=torch.uint8).view(6, -1)
     rows = torch.tensor([5, 0, 3, 3])
@@ -141,7 +140,7 @@ def test_fp8_pages_survive_outliers_nan_and_inf():
         got = deq[:, tables[0][0], :4].transpose(0, 1)  # [4, kv_heads, dim]
         assert got[0, 0, 0] == pytest.approx(3e4, rel=0.07)
         assert torch.equal(got[1, 1], torch.zeros(DIM))
-    table, mask = _decode_inputs([20], tables)
-    out = paged_decode_attention(torch.randn(1, HEADS, DIM), cache[0], cache[1], table, mask,
+    table, lens = _decode_inputs([20], tables)
+    out = paged_decode_attention(torch.randn(1, HEADS, DIM), cache[0], cache[1], table, lens,
                                  DIM**-0.5, *cache[2:])
     assert torch.isfinite(out).all()

@@ -1,0 +1,152 @@
+// Decode attention straight from KV pages: one query token per sequence, pages read in their
+// storage format (fp32 / bf16 / fp16 / e4m3 bytes with a bf16 scale per token and head) and
+// decoded a row at a time into registers-sized buffers, never into a gathered copy.
+// One work item per (sequence, KV head): its query heads (GQA group) share every K/V row read.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "rows.h"
+
+namespace tessera {
+namespace {
+
+// kDim > 0 fixes head_dim at compile time (fully unrolled rows); 0 reads it at run time.
+template <typename T, int kDim>
+void decode_attention(const float* q, const T* k, const T* v, const c10::BFloat16* k_scale,
+                      const c10::BFloat16* v_scale, const int64_t* table, const int64_t* lens,
+                      float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pages,
+                      int64_t page_size, int64_t run_dim, int64_t max_pages, float scale) {
+  const int64_t dim = kDim > 0 ? kDim : run_dim;
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(dim), acc(group * dim), probs;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];
+      const float* qg = q + (b * heads + h * group) * dim;
+      const int64_t* pt = table + b * max_pages;
+      probs.resize(group * len);
+      float* pr = probs.data();
+      float* rw = row.data();
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = (h * pages + pt[t / page_size]) * page_size + t % page_size;
+        load_row(k + slot * dim, rw, dim);
+        const float ks = k_scale ? bf16_to_float(k_scale[slot]) * scale : scale;
+        for (int64_t g = 0; g < group; ++g) pr[g * len + t] = dot(qg + g * dim, rw, dim) * ks;
+      }
+      for (int64_t g = 0; g < group; ++g) softmax_inplace(pr + g * len, len);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float* ac = acc.data();
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = (h * pages + pt[t / page_size]) * page_size + t % page_size;
+        load_row(v + slot * dim, rw, dim);
+        const float vs = v_scale ? bf16_to_float(v_scale[slot]) : 1.0f;
+        for (int64_t g = 0; g < group; ++g) axpy(pr[g * len + t] * vs, rw, ac + g * dim, dim);
+      }
+      std::copy(acc.begin(), acc.end(), out + (b * heads + h * group) * dim);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_dim(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const c10::BFloat16* ks, const c10::BFloat16* vs, const int64_t* table,
+                  const int64_t* lens, float* out, int64_t batch, int64_t heads, float scale,
+                  int64_t max_pages) {
+  const int64_t kv_heads = k_cache.size(0), pages = k_cache.size(1);
+  const int64_t page_size = k_cache.size(2), dim = k_cache.size(3);
+  const T* k = k_cache.data_ptr<T>();
+  const T* v = v_cache.data_ptr<T>();
+  auto run = [&](auto fixed) {
+    decode_attention<T, decltype(fixed)::value>(q, k, v, ks, vs, table, lens, out, batch, heads,
+                                                kv_heads, pages, page_size, dim, max_pages,
+                                                scale);
+  };
+  if (dim == 64) run(std::integral_constant<int, 64>());
+  else if (dim == 128) run(std::integral_constant<int, 128>());
+  else run(std::integral_constant<int, 0>());
+}
+
+void check_cache(const torch::Tensor& cache, const torch::Tensor& like, const char* name) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), name, " must be contiguous 4-d");
+  TORCH_CHECK(cache.sizes() == like.sizes() && cache.dtype() == like.dtype(),
+              name, " must match k_cache in shape and dtype");
+}
+
+}  // namespace
+
+// q: [batch, heads, dim] float32; caches: [kv_heads, pages, page_size, dim];
+// page_table: [batch, max_pages] int64; context_lens: [batch] int64 (tokens to attend, >= 1);
+// scales (e4m3 pages only): [kv_heads, pages, page_size] bf16. Returns [batch, heads * dim].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor page_table,
+                                     torch::Tensor context_lens, double scale,
+                                     c10::optional<torch::Tensor> k_scale,
+                                     c10::optional<torch::Tensor> v_scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [batch, heads, dim] float32");
+  check_cache(k_cache, k_cache, "k_cache");
+  check_cache(v_cache, k_cache, "v_cache");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), pages = k_cache.size(1), page_size = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "q and caches disagree on shape");
+  auto table = page_table.contiguous();
+  auto lens = context_lens.contiguous();
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.dim() == 2 && table.size(0) == batch,
+              "page_table must be [batch, max_pages] int64");
+  TORCH_CHECK(lens.scalar_type() == torch::kInt64 && lens.numel() == batch,
+              "context_lens must be [batch] int64");
+  const int64_t max_pages = table.size(1);
+  const int64_t* pt = table.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(ln[b] >= 1 && ln[b] <= max_pages * page_size, "context length out of range");
+    for (int64_t i = 0; i < (ln[b] + page_size - 1) / page_size; ++i)
+      TORCH_CHECK(pt[b * max_pages + i] >= 0 && pt[b * max_pages + i] < pages,
+                  "page id out of range");
+  }
+  const bool fp8 = k_cache.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              "e4m3 pages need k_scale and v_scale, other formats none");
+  const c10::BFloat16* ks = nullptr;
+  const c10::BFloat16* vs = nullptr;
+  torch::Tensor ksc, vsc;
+  if (fp8) {
+    ksc = k_scale->contiguous();
+    vsc = v_scale->contiguous();
+    for (auto* s : {&ksc, &vsc})
+      TORCH_CHECK(s->scalar_type() == torch::kBFloat16 && s->dim() == 3 &&
+                      s->size(0) == kv_heads && s->size(1) == pages && s->size(2) == page_size,
+                  "scales must be [kv_heads, pages, page_size] bf16");
+    ks = ksc.data_ptr<c10::BFloat16>();
+    vs = vsc.data_ptr<c10::BFloat16>();
+  }
+  auto qc = q.contiguous();
+  auto out = torch::empty({batch, heads * dim}, q.options());
+  const float s = static_cast<float>(scale);
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (k_cache.scalar_type()) {
+    case torch::kUInt8:
+      dispatch_dim<uint8_t>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages);
+      break;
+    case torch::kBFloat16:
+      dispatch_dim<c10::BFloat16>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s,
+                                  max_pages);
+      break;
+    case torch::kHalf:
+      dispatch_dim<c10::Half>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s,
+                              max_pages);
+      break;
+    case torch::kFloat32:
+      dispatch_dim<float>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported KV page dtype ", k_cache.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace tessera

@@ -1,0 +1,101 @@
+// Write new tokens' K or V rows into their page slots in one pass: a cast for fp32 / bf16 /
+// fp16 pages, and for e4m3 pages the same quantization as `runtime.quant.fp8.quantize_fp8_kv`
+// (bf16 scale = amax / 448 rounded to nearest even, floored at 1e-12; NaN -> 0, +-inf -> +-896
+// before dividing by the rounded scale; clamp to +-448; round to nearest even), bit for bit.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+
+namespace tessera {
+namespace {
+
+constexpr float kFp8Max = 448.0f;
+
+void quantize_row(const float* x, uint8_t* dst, c10::BFloat16* scale_out, int64_t dim) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t j = 0; j < dim; ++j) {
+    nan |= std::isnan(x[j]);
+    amax = std::max(amax, std::fabs(x[j]));
+  }
+  if (nan) amax = 0.0f;  // torch's amax propagates NaN; quantize_fp8_kv maps it to 0
+  if (std::isinf(amax)) amax = FLT_MAX;
+  const c10::BFloat16 s(std::max(amax / kFp8Max, 1e-12f));
+  *scale_out = s;
+  const float sf = static_cast<float>(s);
+  for (int64_t j = 0; j < dim; ++j) {
+    float v = x[j];
+    if (std::isnan(v)) v = 0.0f;
+    else if (std::isinf(v)) v = v > 0 ? 2 * kFp8Max : -2 * kFp8Max;
+    v = std::min(std::max(v / sf, -kFp8Max), kFp8Max);
+    dst[j] = c10::Float8_e4m3fn(v).x;
+  }
+}
+
+template <typename T>
+void cast_rows(const float* x, T* cache, const int64_t* slots, int64_t tokens, int64_t heads,
+               int64_t slots_per_head, int64_t dim) {
+  at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / heads, h = i % heads;
+      const float* src = x + i * dim;
+      T* dst = cache + (h * slots_per_head + slots[t]) * dim;
+      for (int64_t j = 0; j < dim; ++j) dst[j] = static_cast<T>(src[j]);
+    }
+  });
+}
+
+}  // namespace
+
+// x: [tokens, kv_heads, dim] float32; cache: [kv_heads, pages, page_size, dim];
+// slots: [tokens] int64 flat slot (page * page_size + offset); scale: e4m3 pages only,
+// [kv_heads, pages, page_size] bf16.
+void store_kv_rows(torch::Tensor x, torch::Tensor cache, torch::Tensor slots,
+                   c10::optional<torch::Tensor> scale) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32, "x must be [tokens, heads, dim] float32");
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "cache must be contiguous 4-d");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(cache.size(0) == heads && cache.size(3) == dim, "x and cache disagree on shape");
+  const int64_t slots_per_head = cache.size(1) * cache.size(2);
+  auto sl = slots.contiguous();
+  TORCH_CHECK(sl.scalar_type() == torch::kInt64 && sl.numel() == tokens, "slots must be [tokens] int64");
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots_per_head, "slot out of range");
+  auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  switch (cache.scalar_type()) {
+    case torch::kUInt8: {
+      TORCH_CHECK(scale.has_value() && scale->scalar_type() == torch::kBFloat16 &&
+                      scale->is_contiguous() && scale->numel() == heads * slots_per_head,
+                  "e4m3 pages need a contiguous [kv_heads, pages, page_size] bf16 scale");
+      uint8_t* cp = cache.data_ptr<uint8_t>();
+      c10::BFloat16* scp = scale->data_ptr<c10::BFloat16>();
+      at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t t = i / heads, h = i % heads, at = h * slots_per_head + sp[t];
+          quantize_row(xp + i * dim, cp + at * dim, scp + at, dim);
+        }
+      });
+      break;
+    }
+    case torch::kBFloat16:
+      cast_rows(xp, cache.data_ptr<c10::BFloat16>(), sp, tokens, heads, slots_per_head, dim);
+      break;
+    case torch::kHalf:
+      cast_rows(xp, cache.data_ptr<c10::Half>(), sp, tokens, heads, slots_per_head, dim);
+      break;
+    case torch::kFloat32:
+      cast_rows(xp, cache.data_ptr<float>(), sp, tokens, heads, slots_per_head, dim);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported KV page dtype ", cache.scalar_type());
+  }
+}
+
+}  // namespace tessera

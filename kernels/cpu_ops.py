@@ -1,0 +1,37 @@
+"""The C++ CPU ops (`kernels/cpu/*.cpp`), built once per machine with torch's cpp_extension.
+
+They are the CPU path's kernels, as the Triton kernels are the GPU's: paged decode attention
+read straight from pages in their storage format, the fp8 quantize-and-store, and the e4m3
+row gather that prefill uses. Each has a torch twin (`ref_*`) that is its test oracle and the
+fallback where no C++ compiler exists. Built with `-march=native` for the machine it runs on
+and OpenMP, so `at::parallel_for` uses torch's threads. `TESSERA_NATIVE=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tessera.kernels")
+
+_SOURCES = ("ops.cpp", "paged_decode.cpp", "store_kv.cpp", "e4m3_gather.cpp")
+
+
+@functools.cache
+def native() -> Any | None:
+    """The built module, or None (turned off, or no toolchain: callers use the torch twins)."""
+    if os.environ.get("TESSERA_NATIVE") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        root = Path(__file__).parent / "cpu"
+        return load("tessera_cpu_ops", [str(root / s) for s in _SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no C++ toolchain here: stay correct on the slower path
+        log.warning("C++ CPU ops unavailable (%s); using the torch twins", e)
+        return None

@@ -1,0 +1,143 @@
+"""The C++ CPU ops against their torch twins: sizes swept, random pages, poisoned outputs."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from kernels.paged_attention import ref_paged_decode_attention
+from kernels.store_kv import ref_store_kv
+
+STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+           "fp8": torch.uint8}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the CPU ops cannot be built")
+    built = cpu_ops.native()
+    assert built is not None, "the CPU ops failed to build (see the log)"
+    return built
+
+
+def _cache(fmt: str, kv_heads: int, pages: int, page_size: int, dim: int):
+    shape = (kv_heads, pages, page_size, dim)
+    poison = 0x7E if fmt == "fp8" else 1e4  # a slot nobody wrote shows up as garbage
+    k = torch.full(shape, poison, dtype=STORAGE[fmt])
+    scales = (None, None)
+    if fmt == "fp8":
+        scales = (torch.full(shape[:-1], 3.0, dtype=torch.bfloat16),
+                  torch.full(shape[:-1], 3.0, dtype=torch.bfloat16))
+    return k, k.clone(), *scales
+
+
+def _filled(fmt, lengths, kv_heads, page_size, dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // page_size) for n in lengths]
+    pages = sum(per_seq) + 2
+    order = torch.randperm(pages, generator=gen).tolist()
+    k_cache, v_cache, k_scale, v_scale = _cache(fmt, kv_heads, pages, page_size, dim)
+    table = torch.zeros(len(lengths), max(per_seq), dtype=torch.long)
+    for i, (n, p) in enumerate(zip(lengths, per_seq, strict=True)):
+        ids = [order.pop() for _ in range(p)]
+        table[i, :p] = torch.tensor(ids)
+        slots = torch.tensor([ids[t // page_size] * page_size + t % page_size for t in range(n)])
+        k = torch.randn(n, kv_heads, dim, generator=gen) * 3
+        v = torch.randn(n, kv_heads, dim, generator=gen)
+        ref_store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    return (k_cache, v_cache, k_scale, v_scale), table, gen
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("heads,kv_heads,dim,page_size", [
+    (9, 3, 64, 16), (4, 4, 32, 8), (6, 1, 80, 16), (12, 2, 17, 5), (2, 2, 128, 1),
+])
+@pytest.mark.parametrize("lengths", [[1], [16, 17, 3], [100, 1, 33, 64, 15]])
+def test_decode_op_matches_torch_twin(ops, fmt, heads, kv_heads, dim, page_size, lengths):
+    cache, table, gen = _filled(fmt, lengths, kv_heads, page_size, dim, seed=len(lengths) + dim)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    lens = torch.tensor(lengths)
+    got = ops.paged_decode_attention(q, cache[0], cache[1], table, lens, dim**-0.5, *cache[2:])
+    want = ref_paged_decode_attention(q, cache[0], cache[1], table, lens, dim**-0.5, *cache[2:])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_op_attends_only_to_each_sequences_own_context(ops):
+    """Padding slots of a shorter sequence hold another sequence's KV: it must not be read."""
+    cache, table, gen = _filled("bf16", [40, 5], 3, 16, 64, seed=7)
+    table[1, 1:] = table[0, 1:]  # the short sequence's unused table entries point at live pages
+    q = torch.randn(2, 9, 64, generator=gen)
+    lens = torch.tensor([40, 5])
+    alone = ops.paged_decode_attention(q[1:], cache[0], cache[1], table[1:, :1], lens[1:],
+                                       0.125, None, None)
+    both = ops.paged_decode_attention(q, cache[0], cache[1], table, lens, 0.125, None, None)
+    torch.testing.assert_close(both[1:], alone, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bad", ["page_out_of_range", "negative_page", "zero_length",
+                                 "length_past_table", "fp8_without_scales"])
+def test_decode_op_refuses_bad_input_with_a_clear_error(ops, bad):
+    fmt = "fp8" if bad == "fp8_without_scales" else "bf16"
+    cache, table, gen = _filled(fmt, [20, 9], 3, 16, 64, seed=3)
+    lens = torch.tensor([20, 9])
+    q = torch.randn(2, 9, 64, generator=gen)
+    scales = cache[2:]
+    if bad == "page_out_of_range":
+        table[0, 1] = cache[0].shape[1]
+    elif bad == "negative_page":
+        table[1, 0] = -1
+    elif bad == "zero_length":
+        lens[1] = 0
+    elif bad == "length_past_table":
+        lens[0] = table.shape[1] * 16 + 1
+    else:
+        scales = (None, None)
+    message = {"page_out_of_range": "page id out of range", "negative_page": "page id out of range",
+               "zero_length": "context length", "length_past_table": "context length",
+               "fp8_without_scales": "need k_scale"}[bad]
+    with pytest.raises(RuntimeError, match=message):
+        ops.paged_decode_attention(q, cache[0], cache[1], table, lens, 0.125, *scales)
+
+
+def _awkward_rows(tokens: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    magnitudes = torch.logspace(-6, 4, tokens)[:, None, None]
+    x = torch.randn(tokens, heads, dim, generator=gen) * magnitudes
+    x[0, 0, 3] = 3e4  # an outlier
+    x[1 % tokens, -1] = 0.0  # an all-zero row
+    x[2 % tokens, 0, 1] = float("inf")
+    x[3 % tokens, -1, 2] = float("-inf")
+    x[4 % tokens, 0, 5] = float("nan")
+    x[5 % tokens, -1] = 1e-30  # scale below the 1e-12 floor
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("tokens,heads,dim,page_size", [(1, 1, 64, 16), (7, 3, 64, 16),
+                                                        (33, 2, 17, 5), (64, 4, 128, 8)])
+def test_store_op_writes_the_torch_twins_bytes(ops, fmt, tokens, heads, dim, page_size):
+    gen = torch.Generator().manual_seed(tokens * dim)
+    pages = -(-tokens // page_size) * 2 + 1
+    x = _awkward_rows(tokens, heads, dim, gen)
+    if fmt != "fp8":
+        x = torch.nan_to_num(x, posinf=1e4, neginf=-1e4)  # casts keep NaN/inf; only fp8 maps them
+    slots = torch.randperm(pages * page_size, generator=gen)[:tokens]
+    got = _cache(fmt, heads, pages, page_size, dim)
+    want = _cache(fmt, heads, pages, page_size, dim)
+    ops.store_kv_rows(x, got[0], slots, got[2])
+    ref_store_kv(x, x.clone(), want[0], want[1], slots, want[2], want[3])
+    assert torch.equal(got[0], want[0])
+    if fmt == "fp8":
+        assert torch.equal(got[2], want[2])
+
+
+def test_store_op_refuses_an_out_of_range_slot_and_writes_nothing(ops):
+    k_cache, _, k_scale, _ = _cache("fp8", 2, 3, 16, 64)
+    before, scale_before = k_cache.clone(), k_scale.clone()
+    x = torch.randn(4, 2, 64)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.store_kv_rows(x, k_cache, torch.tensor([0, 5, 48, 1]), k_scale)
+    assert torch.equal(k_cache, before) and torch.equal(k_scale, scale_before)
