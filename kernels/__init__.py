@@ -4,6 +4,7 @@ Importing this package never needs a GPU.
 """
 
 from kernels.paged_attention import (
+    decode_pads_to_longest,
     paged_decode_attention,
     paged_prefill_attention,
     ref_paged_decode_attention,
@@ -12,6 +13,7 @@ from kernels.paged_attention import (
 from kernels.store_kv import ref_store_kv, store_kv
 
 __all__ = [
+    "decode_pads_to_longest",
     "paged_decode_attention",
     "paged_prefill_attention",
     "ref_paged_decode_attention",

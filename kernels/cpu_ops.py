@@ -4,20 +4,39 @@ They are the CPU path's kernels, as the Triton kernels are the GPU's: paged deco
 read straight from pages in their storage format, the fp8 quantize-and-store, and the e4m3
 row gather that prefill uses. Each has a torch twin (`ref_*`) that is its test oracle and the
 fallback where no C++ compiler exists. Built with `-march=native` for the machine it runs on
-and OpenMP, so `at::parallel_for` uses torch's threads. `TESSERA_NATIVE=0` turns them off.
+(on x86-64) and OpenMP, so `at::parallel_for` uses torch's threads; the build is named
+after the CPU's feature flags. `TESSERA_NATIVE=0` turns them off.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("tessera.kernels")
 
 _SOURCES = ("ops.cpp", "paged_decode.cpp", "store_kv.cpp", "e4m3_gather.cpp")
+
+
+def _machine_tag() -> str:
+    """Names the build after the CPU's features: a cached `-march=native` build from another
+    machine (a shared home directory) would die with an illegal instruction here."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
+
+def _arch_flags() -> list[str]:
+    return ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
 
 
 @functools.cache
@@ -29,8 +48,8 @@ def native() -> Any | None:
         from torch.utils.cpp_extension import load
 
         root = Path(__file__).parent / "cpu"
-        return load("tessera_cpu_ops", [str(root / s) for s in _SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return load(f"tessera_cpu_ops_{_machine_tag()}", [str(root / s) for s in _SOURCES],
+                    extra_cflags=["-O3", *_arch_flags(), "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no C++ toolchain here: stay correct on the slower path
         log.warning("C++ CPU ops unavailable (%s); using the torch twins", e)

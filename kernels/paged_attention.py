@@ -97,6 +97,12 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out[0].transpose(0, 1).reshape(chunk, num_heads * dim)
 
 
+def decode_pads_to_longest(device: torch.device) -> bool:
+    """True when decode attention costs every sequence its batch's longest context (the torch
+    twin pads to it); the C++ op reads each sequence's own pages only."""
+    return not (device.type == "cpu" and native() is not None)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import decode_pads_to_longest
 from runtime.context import (
     AttentionMetadata,
     DecodeGroup,
@@ -86,12 +87,14 @@ class ModelRunner:
         return samplers, logits
 
     def _decode_groups(self, decodes: list[ScheduledSequence]) -> list[DecodeGroup]:
-        """Split decodes (sorted by page count) where the longest would more than double the
-        group's padding: a short sequence never pays for a long one's whole context."""
+        """Where decode attention pads to the longest context, split decodes (sorted by page
+        count) where the longest would more than double the group's padding: a short sequence
+        never pays for a long one's whole context. Otherwise one group, one call per layer."""
         groups: list[DecodeGroup] = []
         start = 0
+        split = decode_pads_to_longest(self.device)
         for i in range(1, len(decodes) + 1):
-            if i == len(decodes) or (len(decodes[i].seq.page_table)
+            if i == len(decodes) or (split and len(decodes[i].seq.page_table)
                                      > 2 * len(decodes[start].seq.page_table)):
                 table, lens = self._decode_tables(decodes[start:i])
                 groups.append(DecodeGroup(start, i, table, lens))

@@ -1,20 +1,20 @@
 // Gather whole (head, page) rows of fp8 e4m3 KV bytes and decode them to float32.
 // The decode is the exact integer-bit form (sign and exponent/mantissa bits shifted into an
 // fp32 pattern, times 2^120); one pass, no per-call dispatch cost.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "rows.h"
 
 namespace tessera {
 
-torch::Tensor gather_e4m3_rows(torch::Tensor flat, torch::Tensor rows) {
-  TORCH_CHECK(flat.dtype() == torch::kUInt8 && flat.is_contiguous() && flat.dim() == 2,
+at::Tensor gather_e4m3_rows(at::Tensor flat, at::Tensor rows) {
+  TORCH_CHECK(flat.dtype() == at::kUInt8 && flat.is_contiguous() && flat.dim() == 2,
               "flat must be a contiguous 2-d uint8 tensor");
-  TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1, "rows must be 1-d int64");
+  TORCH_CHECK(rows.dtype() == at::kInt64 && rows.dim() == 1, "rows must be 1-d int64");
   auto rows_c = rows.contiguous();
   const int64_t n = flat.size(1), k = rows_c.size(0), total = flat.size(0);
-  auto out = torch::empty({k, n}, flat.options().dtype(torch::kFloat32));
+  auto out = at::empty({k, n}, flat.options().dtype(at::kFloat32));
   const uint8_t* src = flat.data_ptr<uint8_t>();
   const int64_t* r = rows_c.data_ptr<int64_t>();
   float* dst = out.data_ptr<float>();

@@ -2,14 +2,14 @@
 #include <torch/extension.h>
 
 namespace tessera {
-torch::Tensor gather_e4m3_rows(torch::Tensor flat, torch::Tensor rows);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor page_table,
-                                     torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> k_scale,
-                                     c10::optional<torch::Tensor> v_scale);
-void store_kv_rows(torch::Tensor x, torch::Tensor cache, torch::Tensor slots,
-                   c10::optional<torch::Tensor> scale);
+at::Tensor gather_e4m3_rows(at::Tensor flat, at::Tensor rows);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
+                                     at::Tensor v_cache, at::Tensor page_table,
+                                     at::Tensor context_lens, double scale,
+                                     c10::optional<at::Tensor> k_scale,
+                                     c10::optional<at::Tensor> v_scale);
+void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
+                   c10::optional<at::Tensor> scale);
 }  // namespace tessera
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -2,7 +2,7 @@
 // storage format (fp32 / bf16 / fp16 / e4m3 bytes with a bf16 scale per token and head) and
 // decoded a row at a time into registers-sized buffers, never into a gathered copy.
 // One work item per (sequence, KV head): its query heads (GQA group) share every K/V row read.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -52,7 +52,7 @@ void decode_attention(const float* q, const T* k, const T* v, const c10::BFloat1
 }
 
 template <typename T>
-void dispatch_dim(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+void dispatch_dim(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const c10::BFloat16* ks, const c10::BFloat16* vs, const int64_t* table,
                   const int64_t* lens, float* out, int64_t batch, int64_t heads, float scale,
                   int64_t max_pages) {
@@ -70,7 +70,7 @@ void dispatch_dim(const float* q, const torch::Tensor& k_cache, const torch::Ten
   else run(std::integral_constant<int, 0>());
 }
 
-void check_cache(const torch::Tensor& cache, const torch::Tensor& like, const char* name) {
+void check_cache(const at::Tensor& cache, const at::Tensor& like, const char* name) {
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), name, " must be contiguous 4-d");
   TORCH_CHECK(cache.sizes() == like.sizes() && cache.dtype() == like.dtype(),
               name, " must match k_cache in shape and dtype");
@@ -81,12 +81,12 @@ void check_cache(const torch::Tensor& cache, const torch::Tensor& like, const ch
 // q: [batch, heads, dim] float32; caches: [kv_heads, pages, page_size, dim];
 // page_table: [batch, max_pages] int64; context_lens: [batch] int64 (tokens to attend, >= 1);
 // scales (e4m3 pages only): [kv_heads, pages, page_size] bf16. Returns [batch, heads * dim].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor page_table,
-                                     torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> k_scale,
-                                     c10::optional<torch::Tensor> v_scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [batch, heads, dim] float32");
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
+                                     at::Tensor v_cache, at::Tensor page_table,
+                                     at::Tensor context_lens, double scale,
+                                     c10::optional<at::Tensor> k_scale,
+                                     c10::optional<at::Tensor> v_scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat32, "q must be [batch, heads, dim] float32");
   check_cache(k_cache, k_cache, "k_cache");
   check_cache(v_cache, k_cache, "v_cache");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
@@ -94,9 +94,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "q and caches disagree on shape");
   auto table = page_table.contiguous();
   auto lens = context_lens.contiguous();
-  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.dim() == 2 && table.size(0) == batch,
+  TORCH_CHECK(table.scalar_type() == at::kInt64 && table.dim() == 2 && table.size(0) == batch,
               "page_table must be [batch, max_pages] int64");
-  TORCH_CHECK(lens.scalar_type() == torch::kInt64 && lens.numel() == batch,
+  TORCH_CHECK(lens.scalar_type() == at::kInt64 && lens.numel() == batch,
               "context_lens must be [batch] int64");
   const int64_t max_pages = table.size(1);
   const int64_t* pt = table.data_ptr<int64_t>();
@@ -107,40 +107,40 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
       TORCH_CHECK(pt[b * max_pages + i] >= 0 && pt[b * max_pages + i] < pages,
                   "page id out of range");
   }
-  const bool fp8 = k_cache.scalar_type() == torch::kUInt8;
+  const bool fp8 = k_cache.scalar_type() == at::kUInt8;
   TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
               "e4m3 pages need k_scale and v_scale, other formats none");
   const c10::BFloat16* ks = nullptr;
   const c10::BFloat16* vs = nullptr;
-  torch::Tensor ksc, vsc;
+  at::Tensor ksc, vsc;
   if (fp8) {
     ksc = k_scale->contiguous();
     vsc = v_scale->contiguous();
     for (auto* s : {&ksc, &vsc})
-      TORCH_CHECK(s->scalar_type() == torch::kBFloat16 && s->dim() == 3 &&
+      TORCH_CHECK(s->scalar_type() == at::kBFloat16 && s->dim() == 3 &&
                       s->size(0) == kv_heads && s->size(1) == pages && s->size(2) == page_size,
                   "scales must be [kv_heads, pages, page_size] bf16");
     ks = ksc.data_ptr<c10::BFloat16>();
     vs = vsc.data_ptr<c10::BFloat16>();
   }
   auto qc = q.contiguous();
-  auto out = torch::empty({batch, heads * dim}, q.options());
+  auto out = at::empty({batch, heads * dim}, q.options());
   const float s = static_cast<float>(scale);
   const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   switch (k_cache.scalar_type()) {
-    case torch::kUInt8:
+    case at::kUInt8:
       dispatch_dim<uint8_t>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages);
       break;
-    case torch::kBFloat16:
+    case at::kBFloat16:
       dispatch_dim<c10::BFloat16>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s,
                                   max_pages);
       break;
-    case torch::kHalf:
+    case at::kHalf:
       dispatch_dim<c10::Half>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s,
                               max_pages);
       break;
-    case torch::kFloat32:
+    case at::kFloat32:
       dispatch_dim<float>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages);
       break;
     default:

@@ -2,7 +2,7 @@
 // fp16 pages, and for e4m3 pages the same quantization as `runtime.quant.fp8.quantize_fp8_kv`
 // (bf16 scale = amax / 448 rounded to nearest even, floored at 1e-12; NaN -> 0, +-inf -> +-896
 // before dividing by the rounded scale; clamp to +-448; round to nearest even), bit for bit.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <c10/util/Float8_e4m3fn.h>
@@ -55,23 +55,23 @@ void cast_rows(const float* x, T* cache, const int64_t* slots, int64_t tokens, i
 // x: [tokens, kv_heads, dim] float32; cache: [kv_heads, pages, page_size, dim];
 // slots: [tokens] int64 flat slot (page * page_size + offset); scale: e4m3 pages only,
 // [kv_heads, pages, page_size] bf16.
-void store_kv_rows(torch::Tensor x, torch::Tensor cache, torch::Tensor slots,
-                   c10::optional<torch::Tensor> scale) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32, "x must be [tokens, heads, dim] float32");
+void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
+                   c10::optional<at::Tensor> scale) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat32, "x must be [tokens, heads, dim] float32");
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "cache must be contiguous 4-d");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   TORCH_CHECK(cache.size(0) == heads && cache.size(3) == dim, "x and cache disagree on shape");
   const int64_t slots_per_head = cache.size(1) * cache.size(2);
   auto sl = slots.contiguous();
-  TORCH_CHECK(sl.scalar_type() == torch::kInt64 && sl.numel() == tokens, "slots must be [tokens] int64");
+  TORCH_CHECK(sl.scalar_type() == at::kInt64 && sl.numel() == tokens, "slots must be [tokens] int64");
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < slots_per_head, "slot out of range");
   auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   switch (cache.scalar_type()) {
-    case torch::kUInt8: {
-      TORCH_CHECK(scale.has_value() && scale->scalar_type() == torch::kBFloat16 &&
+    case at::kUInt8: {
+      TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kBFloat16 &&
                       scale->is_contiguous() && scale->numel() == heads * slots_per_head,
                   "e4m3 pages need a contiguous [kv_heads, pages, page_size] bf16 scale");
       uint8_t* cp = cache.data_ptr<uint8_t>();
@@ -84,13 +84,13 @@ void store_kv_rows(torch::Tensor x, torch::Tensor cache, torch::Tensor slots,
       });
       break;
     }
-    case torch::kBFloat16:
+    case at::kBFloat16:
       cast_rows(xp, cache.data_ptr<c10::BFloat16>(), sp, tokens, heads, slots_per_head, dim);
       break;
-    case torch::kHalf:
+    case at::kHalf:
       cast_rows(xp, cache.data_ptr<c10::Half>(), sp, tokens, heads, slots_per_head, dim);
       break;
-    case torch::kFloat32:
+    case at::kFloat32:
       cast_rows(xp, cache.data_ptr<float>(), sp, tokens, heads, slots_per_head, dim);
       break;
     default:

@@ -34,25 +34,34 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int = 128, symmetric: b
                               f"of tensor {name} {tuple(w.shape)}", tensor=name)
     out_dim, in_dim = w.shape
     g = w.float().reshape(out_dim, in_dim // group_size, group_size)
-    best_err = best_scale = best_codes = best_offset = None
+    scale, offset = best_group_params(g, symmetric)
+    codes = quantize_to_codes(g, scale, offset).reshape(out_dim, in_dim).to(torch.uint8)
+    return codes, scale, None if symmetric else offset.to(torch.uint8)
+
+
+def quantize_to_codes(g: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """g: [..., n] values; scale, offset: [...] -> float codes in 0..15 (offset 8 = symmetric)."""
+    return ((g / scale[..., None]).round() + offset[..., None]).clamp(0, 15)
+
+
+def best_group_params(g: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """g: [..., n] groups -> (stored scale, offset) per group with the least squared error
+    among the candidates; offset is 8 for symmetric groups, the zero point otherwise."""
+    best_err = best_scale = best_offset = None
     for scale, zeros in _candidates(g, symmetric):
         scale = _as_stored(scale)
         offset = torch.full_like(scale, 8.0) if zeros is None else zeros
-        codes = ((g / scale[..., None]).round() + offset[..., None]).clamp(0, 15)
+        codes = quantize_to_codes(g, scale, offset)
         err = ((codes - offset[..., None]) * scale[..., None] - g).square().sum(-1)
         if best_err is None:
-            best_err, best_scale, best_codes, best_offset = err, scale, codes, offset
+            best_err, best_scale, best_offset = err, scale, offset
             continue
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
-        best_codes = torch.where(better[..., None], codes, best_codes)
         best_offset = torch.where(better, offset, best_offset)
-    assert best_scale is not None and best_codes is not None and best_offset is not None
-    scale, codes = best_scale, best_codes
-    zeros = None if symmetric else best_offset
-    codes = codes.reshape(out_dim, in_dim).to(torch.uint8)
-    return codes, scale, None if zeros is None else zeros.to(torch.uint8)
+    assert best_scale is not None and best_offset is not None
+    return best_scale, best_offset
 
 
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
