@@ -9,12 +9,12 @@
 namespace tessera {
 
 at::Tensor gather_e4m3_rows(at::Tensor flat, at::Tensor rows) {
-  TORCH_CHECK(flat.dtype() == at::kUInt8 && flat.is_contiguous() && flat.dim() == 2,
+  TORCH_CHECK(flat.dtype() == at::kByte && flat.is_contiguous() && flat.dim() == 2,
               "flat must be a contiguous 2-d uint8 tensor");
-  TORCH_CHECK(rows.dtype() == at::kInt64 && rows.dim() == 1, "rows must be 1-d int64");
+  TORCH_CHECK(rows.dtype() == at::kLong && rows.dim() == 1, "rows must be 1-d int64");
   auto rows_c = rows.contiguous();
   const int64_t n = flat.size(1), k = rows_c.size(0), total = flat.size(0);
-  auto out = at::empty({k, n}, flat.options().dtype(at::kFloat32));
+  auto out = at::empty({k, n}, flat.options().dtype(at::kFloat));
   const uint8_t* src = flat.data_ptr<uint8_t>();
   const int64_t* r = rows_c.data_ptr<int64_t>();
   float* dst = out.data_ptr<float>();

@@ -86,7 +86,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
                                      at::Tensor context_lens, double scale,
                                      c10::optional<at::Tensor> k_scale,
                                      c10::optional<at::Tensor> v_scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat32, "q must be [batch, heads, dim] float32");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [batch, heads, dim] float32");
   check_cache(k_cache, k_cache, "k_cache");
   check_cache(v_cache, k_cache, "v_cache");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
@@ -94,9 +94,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "q and caches disagree on shape");
   auto table = page_table.contiguous();
   auto lens = context_lens.contiguous();
-  TORCH_CHECK(table.scalar_type() == at::kInt64 && table.dim() == 2 && table.size(0) == batch,
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == batch,
               "page_table must be [batch, max_pages] int64");
-  TORCH_CHECK(lens.scalar_type() == at::kInt64 && lens.numel() == batch,
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == batch,
               "context_lens must be [batch] int64");
   const int64_t max_pages = table.size(1);
   const int64_t* pt = table.data_ptr<int64_t>();
@@ -107,7 +107,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
       TORCH_CHECK(pt[b * max_pages + i] >= 0 && pt[b * max_pages + i] < pages,
                   "page id out of range");
   }
-  const bool fp8 = k_cache.scalar_type() == at::kUInt8;
+  const bool fp8 = k_cache.scalar_type() == at::kByte;
   TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
               "e4m3 pages need k_scale and v_scale, other formats none");
   const c10::BFloat16* ks = nullptr;
@@ -129,7 +129,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   switch (k_cache.scalar_type()) {
-    case at::kUInt8:
+    case at::kByte:
       dispatch_dim<uint8_t>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages);
       break;
     case at::kBFloat16:
@@ -140,7 +140,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
       dispatch_dim<c10::Half>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s,
                               max_pages);
       break;
-    case at::kFloat32:
+    case at::kFloat:
       dispatch_dim<float>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages);
       break;
     default:

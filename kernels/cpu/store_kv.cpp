@@ -57,20 +57,20 @@ void cast_rows(const float* x, T* cache, const int64_t* slots, int64_t tokens, i
 // [kv_heads, pages, page_size] bf16.
 void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
                    c10::optional<at::Tensor> scale) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat32, "x must be [tokens, heads, dim] float32");
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "x must be [tokens, heads, dim] float32");
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "cache must be contiguous 4-d");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   TORCH_CHECK(cache.size(0) == heads && cache.size(3) == dim, "x and cache disagree on shape");
   const int64_t slots_per_head = cache.size(1) * cache.size(2);
   auto sl = slots.contiguous();
-  TORCH_CHECK(sl.scalar_type() == at::kInt64 && sl.numel() == tokens, "slots must be [tokens] int64");
+  TORCH_CHECK(sl.scalar_type() == at::kLong && sl.numel() == tokens, "slots must be [tokens] int64");
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < slots_per_head, "slot out of range");
   auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   switch (cache.scalar_type()) {
-    case at::kUInt8: {
+    case at::kByte: {
       TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kBFloat16 &&
                       scale->is_contiguous() && scale->numel() == heads * slots_per_head,
                   "e4m3 pages need a contiguous [kv_heads, pages, page_size] bf16 scale");
@@ -90,7 +90,7 @@ void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
     case at::kHalf:
       cast_rows(xp, cache.data_ptr<c10::Half>(), sp, tokens, heads, slots_per_head, dim);
       break;
-    case at::kFloat32:
+    case at::kFloat:
       cast_rows(xp, cache.data_ptr<float>(), sp, tokens, heads, slots_per_head, dim);
       break;
     default:
