@@ -20,6 +20,7 @@ from runtime.errors import InvalidArgument, TesseraError
 from runtime.formats import WeightFormat
 from runtime.loader import Checkpoint, open_checkpoint
 from runtime.loader.quantized import quantization_config
+from runtime.models.llama import map_checkpoint_name
 from runtime.quant.convert import (
     check_architecture,
     is_quantized_checkpoint_weight,
@@ -32,19 +33,31 @@ _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16}
 
 
+METHODS = ("rtn", "gptq")
+
+
 def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightFormat,
-                       dtype: torch.dtype | None = None,
-                       partial_groups: bool = True) -> tuple[int, int]:
+                       dtype: torch.dtype | None = None, partial_groups: bool = True,
+                       method: str = "rtn", calibration_windows: int = 64
+                       ) -> tuple[int, int]:
     """Write `src` to the directory `dst` in `fmt`; returns (source bytes, destination bytes).
     Unquantized tensors keep a safetensors source's dtype unless `dtype` is given; a GGUF's come
-    dequantized to float32 (never its storage type) and are written as bfloat16 by default."""
+    dequantized to float32 (never its storage type) and are written as bfloat16 by default.
+    `method="gptq"` (int4 only) first runs `calibration_windows` windows of 256 tokens of
+    standard-library docstrings through the model to weigh each projection's rounding."""
     from safetensors.torch import save_file
 
     if fmt.name not in ("fp8", "int4"):
         raise InvalidArgument(f"convert writes fp8 or int4 weights, not {fmt.name}",
                               field="weights")
+    if method not in METHODS:
+        raise InvalidArgument(f"method must be one of {METHODS}, got {method!r}", field="method")
+    if method == "gptq" and fmt.name != "int4":
+        raise InvalidArgument("gptq applies to int4 weights; fp8 is per-channel round-to-nearest",
+                              field="method")
     ckpt = open_checkpoint(src)
     check_architecture(ckpt.config.architecture)
+    hessians = _calibrate(ckpt, calibration_windows) if method == "gptq" else {}
     if dtype is None and ckpt.path.is_file():
         dtype = torch.bfloat16
     out = Path(dst)
@@ -56,7 +69,11 @@ def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightForma
         if "rotary_emb.inv_freq" in name:
             continue
         if is_quantized_checkpoint_weight(name):
-            tensors.update(quantize_checkpoint_tensor(name, tensor, fmt, partial_groups))
+            module = map_checkpoint_name(name)[0].removesuffix(".weight")
+            if method == "gptq" and module not in hessians:
+                raise InvalidArgument(f"no calibration inputs reached {module}", tensor=name)
+            tensors.update(quantize_checkpoint_tensor(name, tensor, fmt, partial_groups,
+                                                      hessians.get(module)))
         else:
             tensors[name] = tensor if dtype is None else tensor.to(dtype)
             not_quantized.add(name.rpartition(".")[0])
@@ -65,9 +82,27 @@ def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightForma
               metadata={"format": "pt"})
     config = _hf_config(ckpt)
     config["quantization_config"] = quantization_config(fmt, _collapse(not_quantized))
+    config["quantization_config"]["method"] = method
+    if method == "gptq":
+        config["quantization_config"]["calibration"] = (
+            f"{calibration_windows} windows of 256 tokens of standard-library docstrings")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _write_tokenizer(ckpt, out)
     return _size(ckpt.path), _size(out)
+
+
+def _calibrate(ckpt: Checkpoint, windows: int) -> dict[str, torch.Tensor]:
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.quant.calibration import (
+        calibration_text,
+        calibration_windows,
+        collect_hessians,
+    )
+
+    engine = LLMEngine(ckpt, EngineConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False))
+    ids = engine.tokenizer.encode(calibration_text())
+    return collect_hessians(engine, calibration_windows(ids, 256, windows))
 
 
 def _collapse(modules: set[str]) -> list[str]:
@@ -123,6 +158,11 @@ def add_convert_parser(subparsers: Any) -> None:
     p.add_argument("--dtype", default="auto", choices=list(_DTYPES),
                    help="dtype of unquantized tensors (default: as in a safetensors source, "
                         "bfloat16 from GGUF)")
+    p.add_argument("--method", default="rtn", choices=list(METHODS),
+                   help="int4 rounding: rtn (round to nearest, per-group scale search) or gptq "
+                        "(calibrated on standard-library docstrings)")
+    p.add_argument("--calibration-windows", type=int, default=64,
+                   help="gptq: windows of 256 tokens to calibrate on")
     p.add_argument("--strict-groups", action="store_true",
                    help="refuse an input dimension the group size does not divide, instead of "
                         "a shorter last group")
@@ -132,9 +172,11 @@ def add_convert_parser(subparsers: Any) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     fmt = WeightFormat.parse(args.weights, args.group_size, not args.asymmetric)
     src_bytes, dst_bytes = convert_checkpoint(args.src, args.dst, fmt, _DTYPES[args.dtype],
-                                              partial_groups=not args.strict_groups)
-    print(f"{fmt.label}: source {src_bytes:,} bytes -> {args.dst} {dst_bytes:,} bytes "
-          f"({dst_bytes / src_bytes:.2f}x)")
+                                              partial_groups=not args.strict_groups,
+                                              method=args.method,
+                                              calibration_windows=args.calibration_windows)
+    print(f"{fmt.label} ({args.method}): source {src_bytes:,} bytes -> {args.dst} "
+          f"{dst_bytes:,} bytes ({dst_bytes / src_bytes:.2f}x)")
     return 0
 
 

@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in tensors:
             if "rotary_emb.inv_freq" in name:
                 continue
-            target, shard = _map_name(name)
+            target, shard = map_checkpoint_name(name)
             if shard is None:
                 state[target] = tensor.to(dtype)
             else:
@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
-def _map_name(name: str) -> tuple[str, int | None]:
+def map_checkpoint_name(name: str) -> tuple[str, int | None]:
     for suffix, (target, shard) in STACKED_PARAMS.items():
         if f".{suffix}.weight" in name:
             return name.replace(f".{suffix}.weight", f".{target}.weight"), shard

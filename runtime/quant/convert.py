@@ -66,13 +66,16 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: Weight
 
 
 def quantize_checkpoint_tensor(name: str, tensor: torch.Tensor, fmt: WeightFormat,
-                               partial_groups: bool = True) -> dict[str, torch.Tensor]:
+                               partial_groups: bool = True,
+                               hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """One checkpoint weight `...proj.weight` -> its packed tensors, named as the loader reads
-    them (`...proj.weight_packed`, `...proj.weight_scale`, ...)."""
+    them (`...proj.weight_packed`, `...proj.weight_scale`, ...). A calibration `hessian` of the
+    projection's inputs makes int4 codes GPTQ's."""
     prefix = name.removesuffix(".weight")
     check_group_fits(name, tensor.shape[1], fmt, partial_groups)
     if fmt.name == "int4":
-        parts = quantize_int4_packed(tensor.float(), fmt.group_size, fmt.symmetric, name)
+        parts = quantize_int4_packed(tensor.float(), fmt.group_size, fmt.symmetric, name,
+                                     hessian)
     else:
         parts = Fp8Linear.from_float(tensor.float()).packed_tensors()
     return {f"{prefix}.{suffix}": t for suffix, t in parts.items()}

@@ -1,0 +1,78 @@
+"""GPTQ for INT4 group-wise weights: round columns one at a time and push each column's
+rounding error onto the columns not yet rounded, weighted by the inverse Hessian of the layer's
+inputs (H = X^T X over calibration tokens), so the layer's *outputs* on real activations move
+least (Frantar et al., 2022). Same output as `quantize_int4_groupwise` (codes, bf16-rounded
+scales, zero points), so the packing, the checkpoint and the loader do not change.
+
+Group parameters are chosen by `best_group_params` (the clip-ratio search) on the group's
+columns as they stand when the group is reached, i.e. after earlier groups' errors were pushed
+onto them, as GPTQ implementations do without static groups. No act-order: columns are taken
+in their natural order, which keeps groups contiguous for the packed layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.errors import InvalidArgument
+from runtime.quant.int4 import GROUP_SIZES, best_group_params, quantize_to_codes
+
+
+def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
+              symmetric: bool = True, name: str = "weight", damp: float = 0.01
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """w: [out, in]; hessian: [in, in] (sum of x x^T over calibration inputs) ->
+    (codes uint8 [out, in] in 0..15, scales [out, ceil(in/g)], zeros or None). A last group
+    shorter than `group_size` is quantized on its own."""
+    if group_size not in GROUP_SIZES:
+        raise InvalidArgument(f"group size must be one of {GROUP_SIZES}, got {group_size}",
+                              field="group_size")
+    out_dim, in_dim = w.shape
+    if hessian.shape != (in_dim, in_dim):
+        raise InvalidArgument(f"calibration Hessian {tuple(hessian.shape)} does not match the "
+                              f"input dimension of tensor {name} {tuple(w.shape)}", tensor=name)
+    if not torch.isfinite(hessian).all():
+        raise InvalidArgument(f"calibration Hessian for tensor {name} is not finite", tensor=name)
+    weight = w.detach().double().clone()
+    h = hessian.detach().double().clone()
+    dead = h.diagonal() == 0  # an input that was always zero: its column cannot matter
+    h[dead, dead] = 1.0
+    weight[:, dead] = 0.0
+    h.diagonal().add_(damp * h.diagonal().mean())
+    h_inv = _upper_inverse_cholesky(h, name)
+    codes = torch.empty(out_dim, in_dim, dtype=torch.uint8)
+    scales, offsets = [], []
+    for start in range(0, in_dim, group_size):
+        end = min(start + group_size, in_dim)
+        block = weight[:, start:end]  # a view: updates land in `weight`
+        scale, offset = best_group_params(block.float().unsqueeze(1), symmetric)
+        scale, offset = scale.squeeze(1), offset.squeeze(1)
+        scales.append(scale)
+        offsets.append(offset)
+        s, o = scale.double(), offset.double()
+        errors = torch.empty(out_dim, end - start, dtype=torch.float64)
+        for i in range(end - start):
+            col = block[:, i]
+            q = quantize_to_codes(col.unsqueeze(1), s, o).squeeze(1)
+            codes[:, start + i] = q.to(torch.uint8)
+            err = (col - (q - o) * s) / h_inv[start + i, start + i]
+            block[:, i:] -= err.unsqueeze(1) * h_inv[start + i, start + i : end].unsqueeze(0)
+            errors[:, i] = err
+        weight[:, end:] -= errors @ h_inv[start:end, end:]
+    scale = torch.stack(scales, dim=1)
+    zeros = None if symmetric else torch.stack(offsets, dim=1).to(torch.uint8)
+    return codes, scale, zeros
+
+
+def _upper_inverse_cholesky(h: torch.Tensor, name: str) -> torch.Tensor:
+    """Upper Cholesky factor of H^-1: row i holds the weights for pushing column i's error."""
+    for extra in (0.0, 0.1, 1.0):  # more damping when the calibration data is rank-poor
+        damped = h + extra * h.diagonal().mean() * torch.eye(h.shape[0], dtype=h.dtype)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        if info == 0:
+            inverse = torch.cholesky_inverse(lower)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if info == 0:
+                return upper
+    raise InvalidArgument(f"calibration Hessian for tensor {name} is not positive definite "
+                          f"even after damping", tensor=name)
