@@ -38,13 +38,15 @@ METHODS = ("rtn", "gptq")
 
 def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightFormat,
                        dtype: torch.dtype | None = None, partial_groups: bool = True,
-                       method: str = "rtn", calibration_windows: int = 64
-                       ) -> tuple[int, int]:
+                       method: str = "rtn", calibration_windows: int = 64,
+                       act_order: bool | None = None) -> tuple[int, int]:
     """Write `src` to the directory `dst` in `fmt`; returns (source bytes, destination bytes).
     Unquantized tensors keep a safetensors source's dtype unless `dtype` is given; a GGUF's come
     dequantized to float32 (never its storage type) and are written as bfloat16 by default.
     `method="gptq"` (int4 only) first runs `calibration_windows` windows of 256 tokens of
-    standard-library docstrings through the model to weigh each projection's rounding."""
+    standard-library docstrings through the model to weigh each projection's rounding, with
+    columns in act order unless `act_order=False` (on the default model it cut the KL to the
+    unquantized model from 0.26 to 0.15, ops/bench/RESULTS.md)."""
     from safetensors.torch import save_file
 
     if fmt.name not in ("fp8", "int4"):
@@ -52,6 +54,9 @@ def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightForma
                               field="weights")
     if method not in METHODS:
         raise InvalidArgument(f"method must be one of {METHODS}, got {method!r}", field="method")
+    if act_order is not None and method != "gptq":
+        raise InvalidArgument("act order is a gptq option", field="act_order")
+    act_order = method == "gptq" and act_order is not False
     if method == "gptq" and fmt.name != "int4":
         raise InvalidArgument("gptq applies to int4 weights; fp8 is per-channel round-to-nearest",
                               field="method")
@@ -73,7 +78,7 @@ def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightForma
             if method == "gptq" and module not in hessians:
                 raise InvalidArgument(f"no calibration inputs reached {module}", tensor=name)
             tensors.update(quantize_checkpoint_tensor(name, tensor, fmt, partial_groups,
-                                                      hessians.get(module)))
+                                                      hessians.get(module), act_order))
         else:
             tensors[name] = tensor if dtype is None else tensor.to(dtype)
             not_quantized.add(name.rpartition(".")[0])
@@ -84,8 +89,9 @@ def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightForma
     config["quantization_config"] = quantization_config(fmt, _collapse(not_quantized))
     config["quantization_config"]["method"] = method
     if method == "gptq":
-        config["quantization_config"]["calibration"] = (
-            f"{calibration_windows} windows of 256 tokens of standard-library docstrings")
+        config["quantization_config"].update(
+            calibration=f"{calibration_windows} windows of 256 tokens of standard-library "
+                        f"docstrings", act_order=act_order, static_groups=act_order)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _write_tokenizer(ckpt, out)
     return _size(ckpt.path), _size(out)
@@ -163,6 +169,9 @@ def add_convert_parser(subparsers: Any) -> None:
                         "(calibrated on standard-library docstrings)")
     p.add_argument("--calibration-windows", type=int, default=64,
                    help="gptq: windows of 256 tokens to calibrate on")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="gptq: round columns by decreasing input energy, with static groups "
+                        "(default on for gptq)")
     p.add_argument("--strict-groups", action="store_true",
                    help="refuse an input dimension the group size does not divide, instead of "
                         "a shorter last group")
@@ -174,7 +183,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     src_bytes, dst_bytes = convert_checkpoint(args.src, args.dst, fmt, _DTYPES[args.dtype],
                                               partial_groups=not args.strict_groups,
                                               method=args.method,
-                                              calibration_windows=args.calibration_windows)
+                                              calibration_windows=args.calibration_windows,
+                                              act_order=args.act_order)
     print(f"{fmt.label} ({args.method}): source {src_bytes:,} bytes -> {args.dst} "
           f"{dst_bytes:,} bytes ({dst_bytes / src_bytes:.2f}x)")
     return 0

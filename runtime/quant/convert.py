@@ -67,7 +67,8 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: Weight
 
 def quantize_checkpoint_tensor(name: str, tensor: torch.Tensor, fmt: WeightFormat,
                                partial_groups: bool = True,
-                               hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                               hessian: torch.Tensor | None = None,
+                               act_order: bool = False) -> dict[str, torch.Tensor]:
     """One checkpoint weight `...proj.weight` -> its packed tensors, named as the loader reads
     them (`...proj.weight_packed`, `...proj.weight_scale`, ...). A calibration `hessian` of the
     projection's inputs makes int4 codes GPTQ's."""
@@ -75,7 +76,7 @@ def quantize_checkpoint_tensor(name: str, tensor: torch.Tensor, fmt: WeightForma
     check_group_fits(name, tensor.shape[1], fmt, partial_groups)
     if fmt.name == "int4":
         parts = quantize_int4_packed(tensor.float(), fmt.group_size, fmt.symmetric, name,
-                                     hessian)
+                                     hessian, act_order)
     else:
         parts = Fp8Linear.from_float(tensor.float()).packed_tensors()
     return {f"{prefix}.{suffix}": t for suffix, t in parts.items()}

@@ -6,8 +6,10 @@ scales, zero points), so the packing, the checkpoint and the loader do not chang
 
 Group parameters are chosen by `best_group_params` (the clip-ratio search) on the group's
 columns as they stand when the group is reached, i.e. after earlier groups' errors were pushed
-onto them, as GPTQ implementations do without static groups. No act-order: columns are taken
-in their natural order, which keeps groups contiguous for the packed layout.
+onto them, as GPTQ implementations do without static groups. With `act_order`, columns are
+taken in order of decreasing Hessian diagonal (the inputs with the most energy first, while
+the most columns are left to absorb their error); group parameters are then fixed up front
+from the original weights ("static groups"), so groups stay contiguous in the packed layout.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from runtime.quant.int4 import GROUP_SIZES, best_group_params, quantize_to_codes
 
 
 def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
-              symmetric: bool = True, name: str = "weight", damp: float = 0.01
+              symmetric: bool = True, name: str = "weight", damp: float = 0.01,
+              act_order: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """w: [out, in]; hessian: [in, in] (sum of x x^T over calibration inputs) ->
     (codes uint8 [out, in] in 0..15, scales [out, ceil(in/g)], zeros or None). A last group
@@ -39,6 +42,8 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
     h[dead, dead] = 1.0
     weight[:, dead] = 0.0
     h.diagonal().add_(damp * h.diagonal().mean())
+    if act_order:
+        return _act_order(weight, h, group_size, symmetric, name)
     h_inv = _upper_inverse_cholesky(h, name)
     codes = torch.empty(out_dim, in_dim, dtype=torch.uint8)
     scales, offsets = [], []
@@ -62,6 +67,36 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
     scale = torch.stack(scales, dim=1)
     zeros = None if symmetric else torch.stack(offsets, dim=1).to(torch.uint8)
     return codes, scale, zeros
+
+
+def _act_order(weight: torch.Tensor, h: torch.Tensor, group_size: int, symmetric: bool,
+               name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    out_dim, in_dim = weight.shape
+    params = [best_group_params(weight[:, a : a + group_size].float().unsqueeze(1), symmetric)
+              for a in range(0, in_dim, group_size)]
+    scale = torch.cat([p[0] for p in params], dim=1)  # [out, groups]
+    offset = torch.cat([p[1] for p in params], dim=1)
+    order = torch.argsort(h.diagonal(), descending=True)
+    weight = weight[:, order]
+    h_inv = _upper_inverse_cholesky(h[order][:, order], name)
+    col_scale = scale.double()[:, order // group_size]  # [out, in] in processing order
+    col_offset = offset.double()[:, order // group_size]
+    codes = torch.empty(out_dim, in_dim, dtype=torch.uint8)
+    block_size = 128
+    for start in range(0, in_dim, block_size):
+        end = min(start + block_size, in_dim)
+        block = weight[:, start:end]
+        errors = torch.empty(out_dim, end - start, dtype=torch.float64)
+        for i in range(end - start):
+            j = start + i
+            s, o = col_scale[:, j], col_offset[:, j]
+            q = ((block[:, i] / s).round() + o).clamp(0, 15)
+            codes[:, order[j]] = q.to(torch.uint8)
+            err = (block[:, i] - (q - o) * s) / h_inv[j, j]
+            block[:, i:] -= err.unsqueeze(1) * h_inv[j, j:end].unsqueeze(0)
+            errors[:, i] = err
+        weight[:, end:] -= errors @ h_inv[start:end, end:]
+    return codes, scale, None if symmetric else offset.to(torch.uint8)
 
 
 def _upper_inverse_cholesky(h: torch.Tensor, name: str) -> torch.Tensor:

@@ -167,17 +167,19 @@ class Int4Linear(nn.Module):
 
 
 def quantize_int4_packed(weight: torch.Tensor, group_size: int, symmetric: bool,
-                         name: str = "weight",
-                         hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                         name: str = "weight", hessian: torch.Tensor | None = None,
+                         act_order: bool = False) -> dict[str, torch.Tensor]:
     """[out, in] float -> checkpoint tensors (see `Int4Linear`). A last group shorter than
     `group_size` is quantized on its own: it is padded with copies of its last column, which
     changes neither its amax nor its min/max, and the padding is dropped. With a calibration
-    `hessian` ([in, in], sum of x x^T), the codes come from GPTQ (`runtime.quant.gptq`)."""
+    `hessian` ([in, in], sum of x x^T), the codes come from GPTQ (`runtime.quant.gptq`,
+    optionally in act order)."""
     out_dim, in_dim = weight.shape
     if hessian is not None:
         from runtime.quant.gptq import gptq_int4
 
-        codes, scale, zeros = gptq_int4(weight, hessian, group_size, symmetric, name)
+        codes, scale, zeros = gptq_int4(weight, hessian, group_size, symmetric, name,
+                                        act_order=act_order)
     else:
         pad = -in_dim % group_size
         padded = torch.cat([weight, weight[:, -1:].expand(out_dim, pad)], 1) if pad else weight

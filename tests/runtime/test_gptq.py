@@ -39,29 +39,31 @@ def _dequantize(parts: dict[str, torch.Tensor], in_features: int, group_size: in
 
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_gptq_output_error_is_well_below_round_to_nearest(group_size, symmetric):
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_output_error_is_well_below_round_to_nearest(group_size, symmetric, act_order):
     gen = torch.Generator().manual_seed(group_size)
     x = _correlated_inputs(2048, 256, gen)
     w = torch.randn(96, 256, generator=gen) * 0.05
     hessian = x.T.double() @ x.double()
     rtn = _dequantize(quantize_int4_packed(w, group_size, symmetric), 256, group_size)
-    codes, scale, zeros = gptq_int4(w, hessian, group_size, symmetric)
+    codes, scale, zeros = gptq_int4(w, hessian, group_size, symmetric, act_order=act_order)
     gptq = dequantize_int4_groupwise(codes, scale, zeros)
     assert _output_error(w, gptq, hessian) < 0.5 * _output_error(w, rtn, hessian)
 
 
-def test_gptq_codes_keep_the_packed_layout_with_a_short_last_group():
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_codes_keep_the_packed_layout_with_a_short_last_group(act_order):
     gen = torch.Generator().manual_seed(1)
     x = _correlated_inputs(512, 576, gen)  # 576 = 4.5 groups of 128
     w = torch.randn(64, 576, generator=gen)
-    codes, scale, zeros = gptq_int4(w, x.T @ x, 128, symmetric=False)
+    codes, scale, zeros = gptq_int4(w, x.T @ x, 128, symmetric=False, act_order=act_order)
     assert codes.dtype == torch.uint8 and codes.shape == (64, 576) and int(codes.max()) <= 15
     assert scale.shape == zeros.shape == (64, 5)
     assert zeros.dtype == torch.uint8 and int(zeros.max()) <= 15
     per_column = {"scale": scale.float().repeat_interleave(128, dim=1)[:, :576],
                   "zero": zeros.float().repeat_interleave(128, dim=1)[:, :576]}
     want = (codes.float() - per_column["zero"]) * per_column["scale"]
-    parts = quantize_int4_packed(w, 128, False, hessian=x.T @ x)
+    parts = quantize_int4_packed(w, 128, False, hessian=x.T @ x, act_order=act_order)
     assert torch.equal(_dequantize(parts, 576, 128), want)
 
 
@@ -113,11 +115,14 @@ def test_gptq_beats_round_to_nearest_on_the_real_models_activations(llm):
 def test_a_gptq_checkpoint_says_so_loads_and_serves(tmp_path):
     with pytest.raises(InvalidArgument, match="gptq applies to int4"):
         convert_checkpoint(None, tmp_path / "fp8", WeightFormat("fp8"), method="gptq")
+    with pytest.raises(InvalidArgument, match="act order is a gptq option"):
+        convert_checkpoint(None, tmp_path / "rtn", WeightFormat("int4", 128), act_order=True)
     dst = tmp_path / "gptq"
     convert_checkpoint(None, dst, WeightFormat("int4", 128), method="gptq",
                        calibration_windows=2)
     block = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert block["method"] == "gptq" and "2 windows" in block["calibration"]
+    assert block["act_order"] is True and block["static_groups"] is True
     served = LLM(model=str(dst), kv_cache_bytes=8 << 20)
     out = served.generate("The capital of France is",
                           SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
