@@ -4,9 +4,10 @@
 
 Both engines get the same budget (scales included), the same real-text prompts and the same
 output lengths (ignore_eos), no prefix reuse. At each level the two formats run back to back,
-so machine noise hits both. BF16 pages hold about half the tokens, so it runs out of pages (and
-queues or preempts) at a lower concurrency; reported per point: output tok/s, the most
-sequences that ran at once, preemptions, and the ratio of FP8's best to BF16's best.
+so machine noise hits both; with `--repeats N` each level runs N times (formats alternating)
+and every figure is the median of the N. BF16 pages hold about half the tokens, so it runs out
+of pages (and queues or preempts) at a lower concurrency; reported per point: output tok/s, the
+most sequences that ran at once, preemptions, and the ratio of FP8's best to BF16's best.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--min-prompt-chars", type=int, default=200)
     ap.add_argument("--max-prompt-chars", type=int, default=600)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per level; medians reported")
     ap.add_argument("--out", default="ops/bench/out/kv_formats.json")
     args = ap.parse_args(argv)
     engines = {f: LLMEngine.from_path(None, EngineConfig(
@@ -69,9 +72,14 @@ def main(argv: list[str] | None = None) -> dict:
         reqs = make_workload(max(2, int(args.requests_per_slot * c)), args.output_len,
                              args.output_len, args.min_prompt_chars, args.max_prompt_chars,
                              seed=c)
-        row = {"concurrency": c, "requests": len(reqs)}
-        for f, engine in engines.items():
-            row[f] = run_level(engine, reqs, c)
+        row: dict = {"concurrency": c, "requests": len(reqs)}
+        runs: dict[str, list[dict]] = {f: [] for f in engines}
+        for _ in range(args.repeats):
+            for f, engine in engines.items():
+                runs[f].append(run_level(engine, reqs, c))
+        for f, results in runs.items():
+            row[f] = {key: statistics.median(r[key] for r in results) for key in results[0]}
+            row[f]["runs_tok_s"] = [r["tok_s"] for r in results]
         rows.append(row)
         print(json.dumps(row), flush=True)
     capacity = {f: e.kv_capacity_tokens for f, e in engines.items()}
@@ -79,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"date": time.strftime("%Y-%m-%d"),
               "machine": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "kv_cache_bytes": args.kv_cache_bytes,
+              "repeats": args.repeats,
               "capacity_tokens": capacity, "rows": rows, "best_tok_s": best,
               "best_ratio_fp8_over_bf16": best["fp8"] / best["bf16"]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
