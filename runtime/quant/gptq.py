@@ -42,55 +42,36 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
     h[dead, dead] = 1.0
     weight[:, dead] = 0.0
     h.diagonal().add_(damp * h.diagonal().mean())
-    if act_order:
-        return _act_order(weight, h, group_size, symmetric, name)
-    h_inv = _upper_inverse_cholesky(h, name)
-    codes = torch.empty(out_dim, in_dim, dtype=torch.uint8)
-    scales, offsets = [], []
-    for start in range(0, in_dim, group_size):
-        end = min(start + group_size, in_dim)
-        block = weight[:, start:end]  # a view: updates land in `weight`
-        scale, offset = best_group_params(block.float().unsqueeze(1), symmetric)
-        scale, offset = scale.squeeze(1), offset.squeeze(1)
-        scales.append(scale)
-        offsets.append(offset)
-        s, o = scale.double(), offset.double()
-        errors = torch.empty(out_dim, end - start, dtype=torch.float64)
-        for i in range(end - start):
-            col = block[:, i]
-            q = quantize_to_codes(col.unsqueeze(1), s, o).squeeze(1)
-            codes[:, start + i] = q.to(torch.uint8)
-            err = (col - (q - o) * s) / h_inv[start + i, start + i]
-            block[:, i:] -= err.unsqueeze(1) * h_inv[start + i, start + i : end].unsqueeze(0)
-            errors[:, i] = err
-        weight[:, end:] -= errors @ h_inv[start:end, end:]
-    scale = torch.stack(scales, dim=1)
-    zeros = None if symmetric else torch.stack(offsets, dim=1).to(torch.uint8)
-    return codes, scale, zeros
-
-
-def _act_order(weight: torch.Tensor, h: torch.Tensor, group_size: int, symmetric: bool,
-               name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    out_dim, in_dim = weight.shape
-    params = [best_group_params(weight[:, a : a + group_size].float().unsqueeze(1), symmetric)
-              for a in range(0, in_dim, group_size)]
-    scale = torch.cat([p[0] for p in params], dim=1)  # [out, groups]
-    offset = torch.cat([p[1] for p in params], dim=1)
-    order = torch.argsort(h.diagonal(), descending=True)
+    order = (torch.argsort(h.diagonal(), descending=True) if act_order
+             else torch.arange(in_dim))
+    groups = range(0, in_dim, group_size)
+    if act_order:  # static groups: fixed from the original weights before any error moves
+        params = [best_group_params(weight[:, a : a + group_size].float().unsqueeze(1),
+                                    symmetric) for a in groups]
+        scale = torch.cat([p[0] for p in params], dim=1)  # [out, groups]
+        offset = torch.cat([p[1] for p in params], dim=1)
+    else:
+        scale = torch.empty(out_dim, len(groups))
+        offset = torch.empty(out_dim, len(groups))
     weight = weight[:, order]
     h_inv = _upper_inverse_cholesky(h[order][:, order], name)
-    col_scale = scale.double()[:, order // group_size]  # [out, in] in processing order
-    col_offset = offset.double()[:, order // group_size]
     codes = torch.empty(out_dim, in_dim, dtype=torch.uint8)
-    block_size = 128
-    for start in range(0, in_dim, block_size):
-        end = min(start + block_size, in_dim)
-        block = weight[:, start:end]
+    # NOTE: blocks of group_size columns in processing order; in natural order each block is
+    # one group, whose parameters are chosen as the block is reached.
+    for start in groups:
+        end = min(start + group_size, in_dim)
+        block = weight[:, start:end]  # a view: updates land in `weight`
+        if not act_order:
+            g_scale, g_offset = best_group_params(block.float().unsqueeze(1), symmetric)
+            scale[:, start // group_size] = g_scale.squeeze(1)
+            offset[:, start // group_size] = g_offset.squeeze(1)
+        col_group = order[start:end] // group_size
+        col_scale, col_offset = scale.double()[:, col_group], offset.double()[:, col_group]
         errors = torch.empty(out_dim, end - start, dtype=torch.float64)
         for i in range(end - start):
             j = start + i
-            s, o = col_scale[:, j], col_offset[:, j]
-            q = ((block[:, i] / s).round() + o).clamp(0, 15)
+            s, o = col_scale[:, i], col_offset[:, i]
+            q = quantize_to_codes(block[:, i : i + 1], s, o).squeeze(1)
             codes[:, order[j]] = q.to(torch.uint8)
             err = (block[:, i] - (q - o) * s) / h_inv[j, j]
             block[:, i:] -= err.unsqueeze(1) * h_inv[j, j:end].unsqueeze(0)
