@@ -21,20 +21,22 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_gateway_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "text", "token_ids", "chat", "sampling")
+    __slots__ = ("request_id", "tenant", "text", "token_ids", "chat", "sampling", "split_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     text: str
     token_ids: TokenIds
     chat: ChatMessages
     sampling: _gateway_pb2.SamplingOptions
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingOptions, _Mapping]] = ...) -> None: ...
+    split_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingOptions, _Mapping]] = ..., split_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -53,14 +55,20 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "worker_id", "pid")
+    __slots__ = ("serving", "worker_id", "pid", "engine_alive", "last_step_age_s", "step_running_s")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_RUNNING_S_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     worker_id: str
     pid: int
-    def __init__(self, serving: _Optional[bool] = ..., worker_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    engine_alive: bool
+    last_step_age_s: float
+    step_running_s: float
+    def __init__(self, serving: _Optional[bool] = ..., worker_id: _Optional[str] = ..., pid: _Optional[int] = ..., engine_alive: _Optional[bool] = ..., last_step_age_s: _Optional[float] = ..., step_running_s: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
