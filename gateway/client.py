@@ -47,6 +47,7 @@ from runtime.errors import (  # noqa: F401
     RequestCancelled,
     TenantQuotaExceeded,
     TesseraError,
+    Unavailable,
     WorkerLost,
 )
 

@@ -25,6 +25,7 @@ from runtime.errors import (
     RequestCancelled,
     TenantQuotaExceeded,
     TesseraError,
+    Unavailable,
     WorkerLost,
 )
 
@@ -55,6 +56,7 @@ REASONS: dict[str, tuple[type[TesseraError], grpc.StatusCode]] = {
     "TENANT_QUOTA_EXCEEDED": (TenantQuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     "KV_INTEGRITY_VIOLATION": (KVIntegrityViolation, grpc.StatusCode.ABORTED),
     "WORKER_LOST": (WorkerLost, grpc.StatusCode.UNAVAILABLE),
+    "UNAVAILABLE": (Unavailable, grpc.StatusCode.UNAVAILABLE),
     "DEADLINE_EXCEEDED": (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     "CANCELLED": (RequestCancelled, grpc.StatusCode.CANCELLED),
     "INTERNAL": (Internal, grpc.StatusCode.INTERNAL),

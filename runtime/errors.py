@@ -4,6 +4,16 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+# NOTE: errors travel in gRPC trailers (8 KiB by default): a message or metadata value built
+# from client input is cut here, so an error's class never depends on the input's size.
+MAX_MESSAGE_CHARS = 1024
+MAX_METADATA_CHARS = 128
+
+
+def bounded(text: str, limit: int) -> str:
+    """text, cut to at most `limit` characters (marked with an ellipsis when cut)."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
 
 class TesseraError(Exception):
     """Base class: `reason` is the stable machine-readable name; `metadata` is safe to show."""
@@ -12,9 +22,10 @@ class TesseraError(Exception):
     retryable: ClassVar[bool] = False
 
     def __init__(self, message: str, **metadata: Any) -> None:
+        message = bounded(str(message), MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
-        self.metadata = {k: str(v) for k, v in metadata.items()}
+        self.metadata = {k: bounded(str(v), MAX_METADATA_CHARS) for k, v in metadata.items()}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.reason}: {self.message})"
@@ -64,4 +75,11 @@ class DeadlineExceeded(TesseraError):
 
 class WorkerLost(TesseraError):
     reason = "WORKER_LOST"
+    retryable = True
+
+
+class Unavailable(TesseraError):
+    """The server is shutting down (or not yet up): retry against another replica."""
+
+    reason = "UNAVAILABLE"
     retryable = True
