@@ -62,13 +62,15 @@ REASONS: dict[str, tuple[type[TesseraError], grpc.StatusCode]] = {
     "INTERNAL": (Internal, grpc.StatusCode.INTERNAL),
 }
 
-# What a status without ErrorInfo means (raised by gRPC itself, e.g. a dead socket).
+# What a status without ErrorInfo means (raised by gRPC itself, e.g. a dead socket). Our own
+# OVERLOADED always carries ErrorInfo: a bare RESOURCE_EXHAUSTED is gRPC refusing a message
+# or metadata over its size limits, which no retry can fix.
 _BARE_CODES: dict[grpc.StatusCode, type[TesseraError]] = {
     grpc.StatusCode.UNAVAILABLE: WorkerLost,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: RequestCancelled,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,
 }
 
 DEFAULT_RETRY_DELAY_S = 1.0

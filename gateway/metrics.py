@@ -20,6 +20,9 @@ WORKERS = Gauge("tessera_gateway_workers", "Worker processes by state", ["model"
 COLD_START = Histogram("tessera_gateway_worker_cold_start_seconds",
                        "Spawn to healthy, per worker", ["model"],
                        buckets=(1, 2.5, 5, 10, 20, 40, 80, 160))
+WORKERS_LOST = Counter("tessera_gateway_workers_lost_total",
+                       "Workers replaced by the supervisor, by cause (engine_dead, engine_stuck, "
+                       "unresponsive, exited)", ["model", "cause"])
 # Read from each worker's Status RPC by the supervisor (workers have no HTTP port of their own).
 WORKER_PAGES = Gauge("tessera_worker_kv_pages", "KV pages by state (free, cached, used)",
                      ["model", "worker", "state"])

@@ -7,7 +7,9 @@ import argparse
 import asyncio
 import concurrent.futures
 import signal
+import sys
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -66,15 +68,24 @@ class GatewayRunner:
                 raise TimeoutError(f"workers not ready after {timeout_s} s")
             await asyncio.sleep(0.1)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Drain (new requests get UNAVAILABLE; in-flight ones have grace_s to finish, then
+        end with UNAVAILABLE), stop the server, stop every worker."""
+        if not self._thread.is_alive():
+            return
         try:
-            self.call(self._stop(), timeout_s=60)
+            self.call(self._stop(grace_s), timeout_s=grace_s + 60)
         except concurrent.futures.TimeoutError:
             log.warning("gateway did not stop in time")
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 
-    async def _stop(self) -> None:
+    async def drain(self, grace_s: float) -> None:
+        if self.gateway is not None:
+            await self.gateway.drain(grace_s)
+
+    async def _stop(self, grace_s: float) -> None:
+        await self.drain(grace_s)
         if self._server is not None:
             await self._server.stop(grace=1)
         if self.gateway is not None:
@@ -103,6 +114,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--idle-ttl-s", type=float, default=None)
     p.add_argument("--recycle-after-requests", type=int, default=None)
     p.add_argument("--recycle-after-s", type=float, default=None)
+    p.add_argument("--stuck-after-s", type=float, default=60.0,
+                   help="replace a worker whose engine step has run this long")
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM/Ctrl-C: how long in-flight requests may finish")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics")
     p.add_argument("--http-port", type=int, default=8000,
                    help="REST shim: OpenAI-compatible /v1, Workers-AI-style /ai/run, status at /")
@@ -131,14 +146,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_queue=args.max_queue, kv_cache_bytes=args.kv_cache_bytes,
                       idle_ttl_s=args.idle_ttl_s,
                       recycle_after_requests=args.recycle_after_requests,
-                      recycle_after_s=args.recycle_after_s,
+                      recycle_after_s=args.recycle_after_s, stuck_after_s=args.stuck_after_s,
                       worker_args=_worker_format_args(args))
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, addr=args.host)
-    runner = GatewayRunner([pool], keys, args.host, args.grpc_port).start()
-    print(f"tessera gateway on {runner.target} serving {args.model_id}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    runner = GatewayRunner([pool], keys, args.host, args.grpc_port).start(wait_ready=False)
+    print(f"tessera gateway on {runner.target} serving {args.model_id}; starting workers",
+          flush=True)
+    # NOTE: waiting in slices, so a Ctrl-C or SIGTERM before the workers are ready stops
+    # everything it started (workers, sockets) instead of leaving them behind.
+    give_up_at = time.monotonic() + pool.start_timeout_s + 60
+    while not done.is_set():
+        try:
+            runner.call(runner.wait_ready(timeout_s=1.0), timeout_s=5)
+            break
+        except TimeoutError:
+            if time.monotonic() > give_up_at:
+                print("no worker became ready; see the log above", file=sys.stderr, flush=True)
+                runner.stop()
+                return 1
+    if done.is_set():
+        runner.stop()
+        return 0
+    print("workers ready", flush=True)
     rest = None
     if not args.no_http:
         from gateway.rest.server import serve_rest
@@ -154,11 +189,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print("call it:\n  python3 -c \"from gateway.client import Client; "
           f"s = Client('{runner.target}', api_key='{key_hint}').generate('Hello', "
           "max_tokens=32); print(''.join(c.text for c in s), s.usage)\"", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
     done.wait()
+    print(f"draining (up to {args.shutdown_grace_s:g} s)", flush=True)
     if rest is not None:
-        runner.call(rest.stop(), timeout_s=10)
-    runner.stop()
+        runner.call(asyncio.gather(rest.stop(), runner.drain(args.shutdown_grace_s)),
+                    timeout_s=args.shutdown_grace_s + 30)
+    runner.stop(args.shutdown_grace_s)
     return 0

@@ -7,11 +7,12 @@ leaves through gateway.errors.to_status, so the SDK sees one ErrorInfo per statu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,14 +24,21 @@ from gateway._proto.tessera.v1 import gateway_pb2_grpc
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway.auth import ApiKeys, Tenant
 from gateway.errors import from_rpc_error, to_status
+from gateway.interceptors import MalformedRequestInterceptor
 from gateway.logs import get_logger
 from gateway.supervisor import WorkerPool
-from runtime.errors import ModelNotFound, TesseraError, WorkerLost
+from runtime.errors import InvalidArgument, ModelNotFound, TesseraError, Unavailable, WorkerLost
 
 log = get_logger("tessera.gateway")
 SESSION_KEY = "x-session-affinity"
 PREFIX_CHARS = 64  # prompts at least this long are routed to where their prefix last went
 MAX_TRANSPARENT_RETRIES = 2
+# Sizes refused at the edge, as INVALID_ARGUMENT whatever the excess (README: "Limits").
+MAX_PROMPT_BYTES = 1 << 20  # prompt text, or all chat message contents together
+MAX_PROMPT_TOKEN_IDS = 1 << 18
+MAX_NAME_BYTES = 256  # model id, session id
+# gRPC's own limit sits above ours, so a big prompt meets our typed refusal first.
+MAX_MESSAGE_BYTES = 8 << 20
 
 
 class Gateway:
@@ -42,8 +50,16 @@ class Gateway:
         self.keys = keys
         self.default_model = default_model or next(iter(pools))
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
+        self.draining = False  # refuse new requests (UNAVAILABLE); in-flight ones go on
+        self.closing = False  # in-flight requests are being ended (UNAVAILABLE)
+        self.inflight = 0
+        self._calls: set[grpc.aio.Call] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def pool_for(self, tenant: Tenant, model: str) -> WorkerPool:
+        if len(model.encode()) > MAX_NAME_BYTES:
+            raise InvalidArgument(f"model id over {MAX_NAME_BYTES} bytes", field="model")
         model = model or self.default_model
         pool = self.pools.get(model)
         if pool is None:
@@ -58,6 +74,51 @@ class Gateway:
             totals[kind] += n
             metrics.TOKENS.labels(tenant, kind.removesuffix("_tokens")).inc(n)
 
+    async def drain(self, grace_s: float) -> None:
+        """Graceful shutdown: refuse new requests at once, let in-flight ones finish for up to
+        grace_s, then end the rest with a typed UNAVAILABLE."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except TimeoutError:
+            pass
+        if self.inflight:
+            log.warning("ending requests still in flight after the grace period",
+                        inflight=self.inflight, grace_s=grace_s)
+            self.closing = True
+            for call in list(self._calls):
+                call.cancel()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), 5)
+
+    def _enter(self) -> None:
+        if self.draining:
+            raise Unavailable("the server is shutting down; retry on another replica",
+                              retry_after_s=1)
+        self.inflight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+
+
+def session_key(tenant: str, session: str | None) -> str | None:
+    """The router's key for a client's session id: scoped to the tenant (one tenant can never
+    pin itself to another's session) and of fixed size (a client's id costs no memory)."""
+    if session is None:
+        return None
+    if len(session.encode()) > MAX_NAME_BYTES:
+        raise InvalidArgument(f"{SESSION_KEY} over {MAX_NAME_BYTES} bytes", field=SESSION_KEY)
+    return hashlib.blake2b(f"{tenant}\0{session}".encode(), digest_size=16).hexdigest()
+
+
+def _check_prompt_size(nbytes: int, ntokens: int = 0) -> None:
+    if nbytes > MAX_PROMPT_BYTES or ntokens > MAX_PROMPT_TOKEN_IDS:
+        raise InvalidArgument(f"prompt over the limit of {MAX_PROMPT_BYTES} bytes "
+                              f"({MAX_PROMPT_TOKEN_IDS} token ids)", field="prompt")
+
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, gateway: Gateway) -> None:
@@ -65,22 +126,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        if request.prompt_token_ids:
-            wreq = wpb.WorkerGenerateRequest(token_ids=wpb.TokenIds(ids=request.prompt_token_ids))
-            prefix = ",".join(map(str, request.prompt_token_ids[:PREFIX_CHARS // 4]))
-        else:
-            wreq = wpb.WorkerGenerateRequest(text=request.prompt)
-            prefix = request.prompt[:PREFIX_CHARS]
-        wreq.sampling.CopyFrom(request.sampling)
-        async for resp in self._relay(request.model, wreq, prefix, context):
+        def build() -> tuple[wpb.WorkerGenerateRequest, str]:
+            _check_prompt_size(len(request.prompt.encode()), len(request.prompt_token_ids))
+            if request.prompt_token_ids:
+                wreq = wpb.WorkerGenerateRequest(
+                    token_ids=wpb.TokenIds(ids=request.prompt_token_ids))
+                prefix = ",".join(map(str, request.prompt_token_ids[:PREFIX_CHARS // 4]))
+            else:
+                wreq = wpb.WorkerGenerateRequest(text=request.prompt)
+                prefix = request.prompt[:PREFIX_CHARS]
+            wreq.sampling.CopyFrom(request.sampling)
+            return wreq, prefix
+
+        async for resp in self._relay(request.model, build, context):
             yield resp
 
     async def Chat(self, request: pb.ChatRequest,
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        wreq = wpb.WorkerGenerateRequest(chat=wpb.ChatMessages(messages=request.messages),
-                                         sampling=request.sampling)
-        prefix = "".join(f"{m.role}:{m.content}" for m in request.messages)[:PREFIX_CHARS]
-        async for resp in self._relay(request.model, wreq, prefix, context):
+        def build() -> tuple[wpb.WorkerGenerateRequest, str]:
+            _check_prompt_size(sum(len(m.content.encode()) + len(m.role.encode())
+                                   for m in request.messages))
+            wreq = wpb.WorkerGenerateRequest(chat=wpb.ChatMessages(messages=request.messages),
+                                             sampling=request.sampling)
+            prefix = "".join(f"{m.role}:{m.content}" for m in request.messages)[:PREFIX_CHARS]
+            return wreq, prefix
+
+        async for resp in self._relay(request.model, build, context):
             yield resp
 
     async def ListModels(self, request: pb.ListModelsRequest,
@@ -101,28 +172,39 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 max_model_len=status.max_model_len if status else 0))
         return pb.ListModelsResponse(models=models)
 
-    async def _relay(self, model: str, wreq: wpb.WorkerGenerateRequest, prefix: str,
+    async def _relay(self, model: str,
+                     build: Callable[[], tuple[wpb.WorkerGenerateRequest, str]],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         rid = f"req-{uuid.uuid4().hex[:16]}"
         start = time.perf_counter()
         bound = log.bind(request_id=rid)
         reason, label = "OK", "?"  # NOTE: only served model ids become metric labels
+        entered = False
+        billed = pb.Usage()  # what a stream that ends without its final is billed for
+        tenant_name: str | None = None
+        final_seen = False
         try:
+            self.gw._enter()
+            entered = True
             tenant = self.gw.keys.authenticate(context.invocation_metadata())
             bound = bound.bind(tenant=tenant.name)
             pool = self.gw.pool_for(tenant, model)
             label = model = pool.config.model_id
-            session = dict(context.invocation_metadata() or ()).get(SESSION_KEY) or None
+            metadata = dict(context.invocation_metadata() or ())
+            session = session_key(tenant.name, metadata.get(SESSION_KEY) or None)
+            wreq, prefix = build()
             prefix_key = None
             if session is None and len(prefix) >= PREFIX_CHARS:
                 prefix_key = hashlib.blake2b(f"{tenant.name}\0{prefix}".encode(),
                                              digest_size=16).hexdigest()
             wreq.request_id, wreq.tenant = rid, tenant.name
+            tenant_name = tenant.name
             streamed = False
             for attempt in range(MAX_TRANSPARENT_RETRIES + 1):
                 worker = await pool.acquire(session, prefix_key, context.time_remaining())
                 bound = bound.bind(worker=worker.id)
                 call = worker.stub.Generate(wreq, timeout=context.time_remaining())
+                self.gw._calls.add(call)
                 try:
                     last = None
                     async for resp in call:
@@ -131,13 +213,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             hist = metrics.ITL if streamed else metrics.TTFT
                             hist.labels(model).observe(now - (last or start))
                             streamed, last = True, now
+                            if resp.chunk.HasField("usage"):
+                                billed.CopyFrom(resp.chunk.usage)
+                            billed.completion_tokens += len(resp.chunk.token_ids)
                         else:
+                            final_seen = True
                             self.gw.record_usage(tenant.name, resp.final.usage)
                         yield resp
                     break
                 except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
                     if isinstance(e, asyncio.CancelledError) and _cancelling():
                         raise  # the client went away or its deadline passed
+                    if self.gw.closing:
+                        raise Unavailable("the server shut down before this request finished",
+                                          retry_after_s=1) from None
                     err = (from_rpc_error(e) if isinstance(e, grpc.aio.AioRpcError)
                            else WorkerLost(f"the call to worker {worker.id} was cut off"))
                     if isinstance(err, WorkerLost):
@@ -148,6 +237,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         continue
                     raise err from None
                 finally:
+                    self.gw._calls.discard(call)
                     call.cancel()  # a no-op once finished; aborts the worker's request otherwise
                     await pool.release(worker)
         except TesseraError as e:
@@ -162,6 +252,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             bound.exception("request failed")
             await context.abort_with_status(to_status(e))
         finally:
+            if entered:
+                self.gw._leave()
+            if tenant_name is not None and not final_seen and billed.prompt_tokens:
+                self.gw.record_usage(tenant_name, billed)  # cut short: bill what it cost
             metrics.REQUESTS.labels(label, reason).inc()
             bound.info("request done", reason=reason,
                        elapsed_s=round(time.perf_counter() - start, 4))
@@ -177,7 +271,9 @@ def _cancelling() -> bool:
 async def build_server(gateway: Gateway, host: str = "127.0.0.1",
                        port: int = 0) -> tuple[grpc.aio.Server, int]:
     """A started-ready (not yet started) server with the gateway, health and reflection."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(
+        interceptors=[MalformedRequestInterceptor()],
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -39,6 +39,10 @@ class PoolConfig:
     recycle_after_requests: int | None = None
     recycle_after_s: float | None = None
     start_timeout_s: float = 180.0
+    # A worker whose engine loop died, whose current step has run this long, or that missed
+    # this many health probes in a row, is treated as crashed and replaced.
+    stuck_after_s: float = 60.0
+    max_missed_health: int = 3
     restart_backoff_s: float = 0.5
     max_restart_backoff_s: float = 30.0
     worker_args: tuple[str, ...] = ()
@@ -48,6 +52,9 @@ class PoolConfig:
         if not 0 <= self.min_workers <= self.max_workers or self.max_workers < 1:
             raise InvalidArgument("need 0 <= min_workers <= max_workers, max_workers >= 1",
                                   field="min_workers")
+        if self.stuck_after_s <= 0 or self.max_missed_health < 1:
+            raise InvalidArgument("stuck_after_s must be > 0 and max_missed_health >= 1",
+                                  field="stuck_after_s")
         if self.max_inflight < 1 or self.max_queue < 0:
             raise InvalidArgument("max_inflight must be >= 1 and max_queue >= 0",
                                   field="max_inflight")
@@ -151,9 +158,34 @@ class WorkerPool:
         take it out of routing now (before its exit is noticed) and make sure it is gone."""
         if worker.state not in ("ready", "draining") or await worker.answers_health():
             return
+        await self._declare_lost(worker, "unresponsive")
+
+    async def _declare_lost(self, worker: WorkerHandle, cause: str) -> None:
+        """Out of routing, killed: its in-flight calls fail as UNAVAILABLE (WORKER_LOST, retried
+        before the first token) and its exit is handled as a crash, so it is replaced."""
+        if worker.state not in ("ready", "draining"):
+            return
+        log.warning("worker lost", worker=worker.id, cause=cause, inflight=worker.inflight)
+        metrics.WORKERS_LOST.labels(self.config.model_id, cause).inc()
         worker.state = "lost"
         worker.kill()
         await self._notify()
+
+    async def check_health(self) -> None:
+        """Probe every serving worker's engine loop (the probe never waits on the loop)."""
+        workers = [w for w in self.workers.values() if w.state in ("ready", "draining")]
+        probes = await asyncio.gather(*(w.probe_health() for w in workers))
+        for w, health in zip(workers, probes, strict=True):
+            if health is None:
+                w.missed_health += 1
+                if w.missed_health >= self.config.max_missed_health:
+                    await self._declare_lost(w, "unresponsive")
+                continue
+            w.missed_health = 0
+            if not health.engine_alive:
+                await self._declare_lost(w, "engine_dead")
+            elif health.step_running_s > self.config.stuck_after_s:
+                await self._declare_lost(w, "engine_stuck")
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -250,12 +282,15 @@ class WorkerPool:
             if status is not None:
                 metrics.record_worker_status(self.config.model_id, status)
 
-    async def _maintain(self, period_s: float = 0.25, status_every: int = 8) -> None:
+    async def _maintain(self, period_s: float = 0.25, status_every: int = 8,
+                        health_every: int = 4) -> None:
         for tick in itertools.count():
             if self._closed:
                 return
             await asyncio.sleep(period_s)
             try:
+                if tick % health_every == 0:
+                    await self.check_health()
                 if tick % status_every == 0:
                     await self._poll_status()
                 await self.tick()

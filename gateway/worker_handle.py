@@ -32,6 +32,7 @@ class WorkerHandle:
         self.channel: grpc.aio.Channel | None = None
         self.stub: worker_pb2_grpc.WorkerStub | None = None
         self.status: wpb.StatusResponse | None = None
+        self.missed_health = 0
 
     @property
     def available(self) -> bool:
@@ -85,6 +86,13 @@ class WorkerHandle:
         except (grpc.aio.AioRpcError, AttributeError):
             return None
         return self.status
+
+    async def probe_health(self, timeout_s: float = 1.0) -> wpb.HealthResponse | None:
+        """The worker's Health (its engine loop's pulse), or None when it does not answer."""
+        try:
+            return await self.stub.Health(wpb.HealthRequest(), timeout=timeout_s)
+        except (grpc.aio.AioRpcError, AttributeError):
+            return None
 
     async def answers_health(self, timeout_s: float = 1.0) -> bool:
         try:

@@ -5,7 +5,8 @@ read straight from pages in their storage format, the fp8 quantize-and-store, an
 row gather that prefill uses. Each has a torch twin (`ref_*`) that is its test oracle and the
 fallback where no C++ compiler exists. Built with `-march=native` for the machine it runs on
 (on x86-64) and OpenMP, so `at::parallel_for` uses torch's threads; the build is named
-after the CPU's feature flags. `TESSERA_NATIVE=0` turns them off.
+after the CPU's feature flags and the sources' contents. `TESSERA_NATIVE=0` turns them off.
+`python -m kernels` builds them ahead of time (`ops/install.sh` does).
 """
 
 from __future__ import annotations
@@ -23,16 +24,24 @@ log = logging.getLogger("tessera.kernels")
 _SOURCES = ("ops.cpp", "paged_decode.cpp", "store_kv.cpp", "e4m3_gather.cpp")
 
 
-def _machine_tag() -> str:
-    """Names the build after the CPU's features: a cached `-march=native` build from another
-    machine (a shared home directory) would die with an illegal instruction here."""
+_ROOT = Path(__file__).parent / "cpu"
+
+
+def build_tag() -> str:
+    """Names the build after the CPU's features and the op sources: a cached `-march=native`
+    build from another machine (a shared home directory) would die with an illegal
+    instruction here, and two checkouts with different sources must not load each other's."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{platform.machine()} {flags}".encode())
+    for path in sorted(_ROOT.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _arch_flags() -> list[str]:
@@ -47,10 +56,16 @@ def native() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        root = Path(__file__).parent / "cpu"
-        return load(f"tessera_cpu_ops_{_machine_tag()}", [str(root / s) for s in _SOURCES],
+        return load(f"tessera_cpu_ops_{build_tag()}", [str(_ROOT / s) for s in _SOURCES],
                     extra_cflags=["-O3", *_arch_flags(), "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no C++ toolchain here: stay correct on the slower path
         log.warning("C++ CPU ops unavailable (%s); using the torch twins", e)
         return None
+
+
+def native_status() -> str:
+    """`loaded`, `off` (TESSERA_NATIVE=0) or `unavailable` (no toolchain: torch twins run)."""
+    if os.environ.get("TESSERA_NATIVE") == "0":
+        return "off"
+    return "loaded" if native() is not None else "unavailable"

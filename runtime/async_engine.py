@@ -1,7 +1,9 @@
 """An asyncio front for the engine: per-request output streams over a step loop in a thread.
 
 The engine is not thread-safe, so every call into it (add, abort, step) runs on the engine
-thread; asyncio callers submit commands and await their futures. The worker process wraps this.
+thread; asyncio callers submit commands and await their futures. Prompts are tokenized in a
+thread pool before they reach the engine thread, and status reads see the snapshot the loop
+publishes after each pass, so neither waits behind a long step. The worker process wraps this.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine import LLMEngine
+from runtime.engine import EngineStats, LLMEngine
 from runtime.errors import RequestCancelled
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
@@ -23,16 +27,72 @@ from runtime.sampling_params import SamplingParams
 log = logging.getLogger("tessera.async_engine")
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the loop published after its last pass: safe to read from any thread."""
+
+    stats: EngineStats
+    integrity_checks: int
+    integrity_mismatches: int
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """The engine loop's pulse. `step_running_s` is how long the current pass has run (0 when
+    the loop is between passes); a dead loop has `alive` False and says why."""
+
+    alive: bool
+    last_pass_age_s: float
+    step_running_s: float
+    error: str | None = None
+
+
+class _OutputSlot:
+    """One request's outputs on their way to its consumer. A consumer that lags gets the
+    outputs merged (deltas joined, the newest cumulative state kept), so what waits for a
+    stalled client is one output, not one per step."""
+
+    def __init__(self) -> None:
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
+
+    def push(self, out: RequestOutput) -> None:  # on the consumer's event loop
+        prev = self._pending
+        if prev is not None:
+            if prev.finished:
+                return  # nothing follows a final output
+            out.delta_text = prev.delta_text + out.delta_text
+            out.delta_token_ids = prev.delta_token_ids + out.delta_token_ids
+        self._pending = out
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        out, self._pending = self._pending, None
+        assert out is not None
+        return out
+
+
+class LoopFault(BaseException):
+    """Drills only (runtime.faults): ends the engine thread as a fatal bug would. A
+    BaseException so that the loop's own `except Exception` does not keep it alive."""
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             queue.SimpleQueue())
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _OutputSlot]] = {}
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="tessera-engine", daemon=True)
+        self._last_pass_at = time.monotonic()
+        self._pass_started_at: float | None = None
+        self._fatal: str | None = None
+        self.snapshot = self._take_snapshot()
+        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
@@ -40,23 +100,44 @@ class AsyncLLM:
         self._wake.set()
         self._thread.join(timeout=30)
 
+    # -- what other threads may read ----------------------------------------------------------
+
+    def liveness(self) -> Liveness:
+        now = time.monotonic()
+        started = self._pass_started_at
+        return Liveness(self._thread.is_alive(), now - self._last_pass_at,
+                        0.0 if started is None else now - started, self._fatal)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- commands -----------------------------------------------------------------------------
+
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the engine thread and return its result (or raise its exception)."""
+        """Run fn on the engine thread and return its result (or raise its exception). A
+        caller that gives up (cancellation, a deadline) before fn starts means fn never runs."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, fut))
-        self._wake.set()
+        self._submit(fn, fut)
         return await asyncio.wrap_future(fut)
+
+    def _submit(self, fn: Callable[[], Any],
+                fut: concurrent.futures.Future | None = None) -> None:
+        self._commands.put((fn, fut or concurrent.futures.Future()))
+        self._wake.set()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, *,
                        request_id: str | None = None,
                        tenant: str = "default") -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request; leaving the loop early aborts the request."""
         rid = request_id or f"req-{next(self._ids)}"
-        out_q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        stream = (asyncio.get_running_loop(), out_q)
+        slot = _OutputSlot()
+        stream = (asyncio.get_running_loop(), slot)
+        # NOTE: tokenized here, in a pool thread: a megabyte prompt must not stall the step.
+        text, ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
 
         def add() -> None:
-            self.engine.add_request(rid, prompt, params, tenant)
+            self.engine.add_request(rid, ids, params, tenant, prompt_text=text)
             # NOTE: registered only once admitted, so a rejected duplicate id never takes
             # over (or, on the way out, removes) the live request's stream.
             self._streams[rid] = stream
@@ -65,16 +146,14 @@ class AsyncLLM:
         try:
             await self.call(add)
             while not finished:
-                out = await out_q.get()
+                out = await slot.get()
                 finished = out.finished
                 yield out
         finally:
             abort = not finished
-            self._commands.put((lambda: self._release(rid, stream, abort),
-                                concurrent.futures.Future()))
-            self._wake.set()
+            self._submit(lambda: self._release(rid, stream, abort))
 
-    def _release(self, request_id: str, stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue],
+    def _release(self, request_id: str, stream: tuple[asyncio.AbstractEventLoop, _OutputSlot],
                  abort: bool) -> None:
         """Engine thread: drop a stream that ended, aborting its request if still running."""
         if self._streams.get(request_id) is not stream:
@@ -83,27 +162,63 @@ class AsyncLLM:
         if abort:
             self.engine.abort_request(request_id, RequestCancelled("the client went away"))
 
-    async def abort(self, request_id: str) -> None:
-        await self.call(lambda: self._abort_and_publish(request_id))
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request if it is in flight; whether it was."""
+        return bool(await self.call(lambda: self._abort_and_publish(request_id)))
 
-    def _abort_and_publish(self, request_id: str) -> None:
+    def _abort_and_publish(self, request_id: str) -> bool:
         out = self.engine.abort_request(request_id)
         if out is not None:
             self._publish([out])
+        return out is not None
+
+    def inject_loop_fault(self, kind: str) -> None:
+        """Drills only: `kill` ends the engine thread as a fatal bug would; `wedge` blocks it
+        inside a pass for good, as a hung kernel would."""
+        if kind not in ("kill", "wedge"):
+            raise ValueError(f"unknown loop fault {kind!r}")
+
+        def fault() -> None:
+            if kind == "kill":
+                raise LoopFault("engine loop killed by a drill")
+            threading.Event().wait()
+
+        self._submit(fault)
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # recorded for liveness; then the thread ends
+            self._fatal = f"{type(e).__name__}: {e}"
+            log.critical("engine loop ended: %s", self._fatal, exc_info=True)
 
     def _loop(self) -> None:
         while not self._stop:
-            self._run_commands()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
+            self._wake.clear()
+            self._pass_started_at = time.monotonic()
             try:
-                outputs = self.engine.step()
-            except Exception:  # the engine already failed the step's requests; keep serving
-                log.exception("engine step raised")
-                continue
-            self._publish(outputs)
+                self._pass()
+            except Exception:  # a failed pass must not end the loop
+                log.exception("engine loop pass failed; continuing")
+            finally:
+                self._last_pass_at = time.monotonic()
+                self._pass_started_at = None
+            self.snapshot = self._take_snapshot()
+            if not self.engine.has_unfinished_requests() and self._commands.empty():
+                self._wake.wait(timeout=0.5)
+
+    def _pass(self) -> None:
+        self._run_commands()
+        if not self.engine.has_unfinished_requests():
+            return
+        try:
+            outputs = self.engine.step()
+        except Exception:  # the engine already failed the step's requests; keep serving
+            log.exception("engine step raised")
+            return
+        self._publish(outputs)
 
     def _run_commands(self) -> None:
         while True:
@@ -111,19 +226,31 @@ class AsyncLLM:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if not fut.set_running_or_notify_cancel():
+                continue  # the caller gave up before it ran
             try:
-                fut.set_result(fn())
-            except BaseException as e:
+                result = fn()
+            except LoopFault:
+                fut.set_exception(RuntimeError("engine loop killed (drill)"))
+                raise
+            except BaseException as e:  # the caller's to handle, never fatal here
                 fut.set_exception(e)
+            else:
+                fut.set_result(result)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             target = self._streams.get(out.request_id)
-            if target is not None:
-                loop, q = target
-                try:
-                    loop.call_soon_threadsafe(q.put_nowait, out)
-                except RuntimeError:  # the caller's event loop is closed: nobody listens
-                    del self._streams[out.request_id]
-                    self.engine.abort_request(out.request_id,
-                                              RequestCancelled("the client went away"))
+            if target is None:
+                continue
+            loop, slot = target
+            try:
+                loop.call_soon_threadsafe(slot.push, out)
+            except RuntimeError:  # the caller's event loop is closed: nobody listens
+                del self._streams[out.request_id]
+                self.engine.abort_request(out.request_id,
+                                          RequestCancelled("the client went away"))
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        counters = self.engine.tracker.counters
+        return EngineSnapshot(self.engine.stats(), counters.checks_run, counters.num_mismatches)

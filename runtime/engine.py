@@ -51,6 +51,9 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
+    prefix_cache_enabled: bool = False
+    num_cached_pages: int = 0  # pages the prefix cache holds
+    num_evictable_pages: int = 0  # of those, held by the cache alone
 
 
 class LLMEngine:
@@ -131,10 +134,13 @@ class LLMEngine:
         return self.pool.num_pages * self.pool.page_size
 
     def stats(self) -> EngineStats:
+        cache = self.prefix_cache
         return EngineStats(self.pool.num_pages, self.pool.num_free_pages, self.pool.page_size,
                            self.kv_capacity_tokens, self.kv_cache.spec.bytes_per_token,
                            len(self.scheduler.running), len(self.scheduler.waiting),
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions, cache is not None,
+                           0 if cache is None else len(cache),
+                           0 if cache is None else cache.num_evictable)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -172,13 +178,16 @@ class LLMEngine:
         return None, 0
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    tenant: str = "default") -> Sequence:
+                    tenant: str = "default", *, prompt_text: str | None = None) -> Sequence:
+        """Admit one request. `prompt` is text or token ids; token ids tokenized elsewhere
+        (`tokenize_prompt`, off the engine thread) may bring their text as `prompt_text`."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be a SamplingParams", field="params")
         if request_id in self.requests:
             raise InvalidArgument(f"request id {request_id!r} is already in flight",
                                   field="request_id")
         text, ids = self.tokenize_prompt(prompt)
+        text = text if prompt_text is None else prompt_text
         if not ids:
             raise InvalidArgument("prompt is empty after tokenization", field="prompt")
         if len(ids) >= self.max_model_len:
@@ -224,6 +233,19 @@ class LLMEngine:
         logits = torch.cat(sink)
         assert logits.shape[0] == len(token_ids), (logits.shape, len(token_ids))
         return logits
+
+    def warm_up(self) -> None:
+        """Run one short request through prefill and decode (and every format's path), so
+        native ops are built or loaded and first-use costs are paid before any client waits.
+        Shorter than a page: it leaves nothing in the prefix cache."""
+        rid = "__warm_up__"
+        prompt = list(range(1, min(4, self.pool.page_size - 2) + 1))
+        self.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0,
+                                                     ignore_eos=True), tenant="__warm_up__")
+        while rid in self.requests:
+            for out in self.step():
+                if out.request_id == rid and out.error is not None:
+                    raise out.error
 
     def abort_request(self, request_id: str,
                       error: TesseraError | None = None) -> RequestOutput | None:

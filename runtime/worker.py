@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -30,11 +33,14 @@ log = get_logger("tessera.worker")
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, llm: AsyncLLM, served: convert.ServedInfo,
-                 fault_tenant: str | None = None) -> None:
+                 fault_tenant: str | None = None, fault_loop: str | None = None,
+                 native_ops: str = "") -> None:
         self.llm = llm
         self.engine = llm.engine
         self.served = served
         self.fault_tenant = fault_tenant
+        self.loop_fault, _, self.loop_fault_tenant = (fault_loop or "").partition(":")
+        self.native_ops = native_ops
         self.requests_served = 0
 
     async def Generate(self, request: wpb.WorkerGenerateRequest,
@@ -42,17 +48,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rid = request.request_id or f"w-{uuid.uuid4().hex[:12]}"
         self.requests_served += 1
         try:
-            prompt = self._prompt(request)
+            if self.loop_fault and request.tenant == self.loop_fault_tenant:
+                self.llm.inject_loop_fault(self.loop_fault)
+            # NOTE: chat templates and tokenizers run in a pool thread, never on this event
+            # loop (other streams' writes) or the engine thread (everyone's steps).
+            prompt = await asyncio.to_thread(self._prompt, request)
             params = convert.sampling_params(request.sampling)
-            first = True
+            first, sent = True, False
             async for out in self.llm.generate(prompt, params, request_id=rid,
                                                tenant=request.tenant or "default"):
                 if out.error is not None:
                     raise out.error
                 if out.finished and out.outputs[0].finish_reason == "abort":
                     raise RequestCancelled("the request was aborted", request_id=rid)
-                chunk = convert.chunk_response(out)
+                chunk = convert.chunk_response(out, first=not sent)
                 if chunk is not None:
+                    sent = True
                     yield chunk
                 if first and request.tenant == self.fault_tenant and not out.finished:
                     await self._inject_fault(rid)
@@ -61,6 +72,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield convert.final_response(out, self.served)
         except TesseraError as e:
             log.info("request failed", request_id=rid, tenant=request.tenant, reason=e.reason)
+            await context.abort_with_status(to_status(e))
+        except Exception as e:  # a bug: typed INTERNAL, never gRPC's UNKNOWN with a class name
+            log.exception("request failed", request_id=rid, tenant=request.tenant)
             await context.abort_with_status(to_status(e))
 
     def _prompt(self, request: wpb.WorkerGenerateRequest) -> str | list[int]:
@@ -88,38 +102,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request: wpb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> wpb.AbortResponse:
-        rid = request.request_id
-        live = await self.llm.call(lambda: rid in self.engine.requests)
-        if live:
-            await self.llm.abort(rid)
-        return wpb.AbortResponse(aborted=bool(live))
+        return wpb.AbortResponse(aborted=await self.llm.abort(request.request_id))
 
     async def Health(self, request: wpb.HealthRequest,
                      context: grpc.aio.ServicerContext) -> wpb.HealthResponse:
-        return wpb.HealthResponse(serving=self.llm._thread.is_alive(),
-                                  worker_id=self.served.worker_id, pid=os.getpid())
+        """Answered here, never through the engine thread: a long step cannot delay it."""
+        pulse = self.llm.liveness()
+        return wpb.HealthResponse(serving=pulse.alive, worker_id=self.served.worker_id,
+                                  pid=os.getpid(), engine_alive=pulse.alive,
+                                  last_step_age_s=pulse.last_pass_age_s,
+                                  step_running_s=pulse.step_running_s)
 
     async def Status(self, request: wpb.StatusRequest,
                      context: grpc.aio.ServicerContext) -> wpb.StatusResponse:
-        def read() -> wpb.StatusResponse:
-            e = self.engine
-            stats = e.stats()
-            cache = e.prefix_cache
-            summary = wpb.PrefixCacheSummary(
-                enabled=cache is not None, cached_pages=0 if cache is None else len(cache),
-                evictable_pages=0 if cache is None else cache.num_evictable)
-            counters = e.tracker.counters
-            return wpb.StatusResponse(
-                worker_id=self.served.worker_id, served=self.served.to_proto(),
-                num_pages=stats.num_pages, num_free_pages=stats.num_free_pages,
-                page_size=stats.page_size, num_running=stats.num_running,
-                num_waiting=stats.num_waiting, num_preemptions=stats.num_preemptions,
-                max_model_len=e.max_model_len, prefix_cache=summary,
-                requests_served=self.requests_served,
-                integrity_checks=counters.checks_run,
-                integrity_mismatches=counters.num_mismatches)
-
-        return await self.llm.call(read)
+        """The snapshot the engine loop published after its last pass (no engine call)."""
+        snap = self.llm.snapshot
+        stats = snap.stats
+        summary = wpb.PrefixCacheSummary(enabled=stats.prefix_cache_enabled,
+                                         cached_pages=stats.num_cached_pages,
+                                         evictable_pages=stats.num_evictable_pages)
+        return wpb.StatusResponse(
+            worker_id=self.served.worker_id, served=self.served.to_proto(),
+            num_pages=stats.num_pages, num_free_pages=stats.num_free_pages,
+            page_size=stats.page_size, num_running=stats.num_running,
+            num_waiting=stats.num_waiting, num_preemptions=stats.num_preemptions,
+            max_model_len=self.engine.max_model_len, prefix_cache=summary,
+            requests_served=self.requests_served, integrity_checks=snap.integrity_checks,
+            integrity_mismatches=snap.integrity_mismatches, native_ops=self.native_ops)
 
 
 def _served(engine, model: str | None, worker_id: str) -> convert.ServedInfo:
@@ -131,12 +140,22 @@ def _served(engine, model: str | None, worker_id: str) -> convert.ServedInfo:
                               worker_id)
 
 
-async def _exit_with_parent(stop: asyncio.Event, period_s: float = 1.0) -> None:
-    """A worker outlives no gateway: when its parent goes, it stops too."""
+def _exit_with_parent(socket_path: str, period_s: float = 0.5) -> None:
+    """A worker outlives no gateway, whatever phase it is in (loading, warming up, serving):
+    when its parent goes (even by SIGKILL), it removes its socket, and the gateway's socket
+    folder once empty, and exits."""
     parent = os.getppid()
-    while os.getppid() == parent:
-        await asyncio.sleep(period_s)
-    stop.set()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        with contextlib.suppress(OSError):
+            os.unlink(socket_path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(socket_path))
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tessera-parent-watch", daemon=True).start()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,10 +179,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fmts.add_argument("--serving-config", default=None, metavar="FILE")
     p.add_argument("--fault-tenant", default=None,
                    help="drills only: corrupt the page table of each request of this tenant")
+    p.add_argument("--fault-loop", default=None, metavar="KIND:TENANT",
+                   help="drills only: a request of TENANT kills (kill) or wedges (wedge) the "
+                        "engine loop")
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    from kernels.cpu_ops import native_status
     from runtime.cli import format_kwargs
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
@@ -174,11 +197,18 @@ async def serve(args: argparse.Namespace) -> None:
                           tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
                           **format_kwargs(args))
     engine = LLMEngine.from_path(args.model, config)
+    # NOTE: before the socket exists, so the gateway never routes to a worker that would pay
+    # a native build or a first-use cost on a client's request.
+    started = time.monotonic()
+    engine.warm_up()
+    native_ops = native_status() if engine.device.type == "cpu" else ""
+    log.info("worker warmed up", worker=worker_id, native_ops=native_ops,
+             warm_up_s=round(time.monotonic() - started, 3))
     llm = AsyncLLM(engine)
     served = _served(engine, args.model, worker_id)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(llm, served, args.fault_tenant), server)
+        WorkerServicer(llm, served, args.fault_tenant, args.fault_loop, native_ops), server)
     server.add_insecure_port(f"unix:{args.socket}")
     await server.start()
     log.info("worker serving", worker=worker_id, socket=args.socket, model=served.model,
@@ -187,9 +217,7 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(_exit_with_parent(stop))
     await stop.wait()
-    watcher.cancel()
     log.info("worker stopping", worker=worker_id)
     await server.stop(grace=5)
     llm.shutdown()
@@ -198,6 +226,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     configure()
     args = parse_args(argv)
+    _exit_with_parent(args.socket)
     try:
         asyncio.run(serve(args))
     except TesseraError as e:

@@ -6,6 +6,8 @@ pytest-asyncio is not a dependency: each test drives its own event loop with asy
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -80,8 +82,9 @@ def test_concurrent_streams_match_offline_greedy(allm, offline):
 def test_stream_deltas_concatenate_to_the_final_output(allm, offline):
     stream = run(lambda: collect(allm, PROMPTS[0], GREEDY, request_id="deltas"))
     final = stream[-1].outputs[0]
-    assert len(stream) == GREEDY.max_tokens  # one output per generated token
-    assert all(len(out.delta_token_ids) == 1 for out in stream)
+    # One output per step, unless the consumer lagged and some were merged.
+    assert len(stream) <= GREEDY.max_tokens
+    assert sum(len(out.delta_token_ids) for out in stream) == GREEDY.max_tokens
     assert [t for out in stream for t in out.delta_token_ids] == final.token_ids
     assert "".join(out.delta_text for out in stream) == final.text
     assert final.text == offline[0].outputs[0].text
@@ -194,3 +197,104 @@ def test_shutdown_stops_the_engine_thread(engine):
     assert front._thread.is_alive()
     front.shutdown()
     assert not front._thread.is_alive()
+
+
+def _block_engine_thread(allm: AsyncLLM) -> threading.Event:
+    """Hold the engine thread inside a command until the returned event is set."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(TIMEOUT_S)
+
+    allm._submit(hold)
+    assert started.wait(TIMEOUT_S)
+    return release
+
+
+def test_a_call_whose_caller_gave_up_before_it_ran_is_skipped(allm):
+    ran: list[str] = []
+    release = _block_engine_thread(allm)
+
+    async def main() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(allm.call(lambda: ran.append("late")), 0.2)
+        release.set()
+        assert await allm.call(lambda: "next") == "next"
+
+    run(main)
+    assert ran == []
+    assert allm.liveness().alive
+
+
+def test_a_caller_that_gives_up_while_its_call_runs_does_not_kill_the_loop(allm, offline):
+    # The regression: a poll with a deadline shorter than the step it waited on.
+    async def main() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(allm.call(lambda: time.sleep(0.5) or "done"), 0.1)
+        await asyncio.sleep(0.6)
+
+    run(main)
+    assert allm.liveness().alive
+    again = run(lambda: collect(allm, PROMPTS[0], GREEDY))
+    assert again[-1].outputs[0].token_ids == offline[0].outputs[0].token_ids
+
+
+def test_a_raising_call_reaches_its_caller_and_the_loop_goes_on(allm):
+    async def main() -> int:
+        with pytest.raises(ZeroDivisionError):
+            await allm.call(lambda: 1 // 0)
+        with pytest.raises(KeyboardInterrupt):  # even a BaseException stays the caller's
+            await allm.call(lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+        return await allm.call(lambda: 7)
+
+    assert run(main) == 7
+    assert allm.liveness().alive
+
+
+def test_a_slow_step_does_not_delay_liveness_or_status_reads(allm):
+    release = _block_engine_thread(allm)
+    try:
+        time.sleep(0.3)
+        started = time.perf_counter()
+        pulse = allm.liveness()
+        snapshot = allm.snapshot
+        elapsed = time.perf_counter() - started
+    finally:
+        release.set()
+    assert pulse.alive and pulse.step_running_s >= 0.3
+    assert snapshot.stats.num_pages == allm.engine.pool.num_pages
+    assert elapsed < 0.05  # read beside the engine thread, not through it
+    run(lambda: allm.call(lambda: None))
+    assert allm.liveness().step_running_s < 0.3
+
+
+def test_a_killed_loop_says_so(engine):
+    front = AsyncLLM(engine)
+    front.inject_loop_fault("kill")
+    front._thread.join(TIMEOUT_S)
+    pulse = front.liveness()
+    assert not pulse.alive
+    assert pulse.error is not None and "LoopFault" in pulse.error
+
+
+def test_a_stalled_consumer_holds_one_merged_output_not_one_per_step(allm, offline):
+    async def main() -> list[RequestOutput]:
+        stream = allm.generate(PROMPTS[0], GREEDY, request_id="stalled")
+        first = await stream.__anext__()
+        await asyncio.to_thread(lambda: _wait_gone(allm, "stalled"))  # not reading meanwhile
+        return [first] + [out async for out in stream]
+
+    outputs = run(main)
+    final = outputs[-1].outputs[0]
+    assert len(outputs) == 2  # everything after the first output arrived merged
+    assert "".join(o.delta_text for o in outputs) == final.text
+    assert [t for o in outputs for t in o.delta_token_ids] == final.token_ids
+    assert final.token_ids == offline[0].outputs[0].token_ids
+
+
+def _wait_gone(allm: AsyncLLM, request_id: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while request_id in allm.engine.requests and time.monotonic() < deadline:
+        time.sleep(0.02)
