@@ -33,13 +33,14 @@ log = get_logger("tessera.worker")
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, llm: AsyncLLM, served: convert.ServedInfo,
-                 fault_tenant: str | None = None, fault_loop: str | None = None,
+                 fault_tenant: str | None = None, fault_loop: list[str] | None = None,
                  native_ops: str = "") -> None:
         self.llm = llm
         self.engine = llm.engine
         self.served = served
         self.fault_tenant = fault_tenant
-        self.loop_fault, _, self.loop_fault_tenant = (fault_loop or "").partition(":")
+        # tenant -> loop fault kind (drills): fired once that tenant's request has streamed
+        self.loop_faults = {t: k for k, t in (f.split(":", 1) for f in fault_loop or ())}
         self.native_ops = native_ops
         self.requests_served = 0
 
@@ -48,8 +49,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rid = request.request_id or f"w-{uuid.uuid4().hex[:12]}"
         self.requests_served += 1
         try:
-            if self.loop_fault and request.tenant == self.loop_fault_tenant:
-                self.llm.inject_loop_fault(self.loop_fault)
             # NOTE: chat templates and tokenizers run in a pool thread, never on this event
             # loop (other streams' writes) or the engine thread (everyone's steps).
             prompt = await asyncio.to_thread(self._prompt, request)
@@ -67,6 +66,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield chunk
                 if first and request.tenant == self.fault_tenant and not out.finished:
                     await self._inject_fault(rid)
+                if sent and request.tenant in self.loop_faults and not out.finished:
+                    self.llm.inject_loop_fault(self.loop_faults.pop(request.tenant))
                 first = False
                 if out.finished:
                     yield convert.final_response(out, self.served)
@@ -179,9 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fmts.add_argument("--serving-config", default=None, metavar="FILE")
     p.add_argument("--fault-tenant", default=None,
                    help="drills only: corrupt the page table of each request of this tenant")
-    p.add_argument("--fault-loop", default=None, metavar="KIND:TENANT",
-                   help="drills only: a request of TENANT kills (kill) or wedges (wedge) the "
-                        "engine loop")
+    p.add_argument("--fault-loop", action="append", default=None, metavar="KIND:TENANT",
+                   help="drills only: once a request of TENANT has streamed, kill (kill) or "
+                        "wedge (wedge) the engine loop; repeatable")
     return p.parse_args(argv)
 
 

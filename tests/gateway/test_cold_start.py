@@ -1,0 +1,46 @@
+"""A fresh machine: the real stack started with an empty torch-extensions cache. The worker
+builds its C++ ops and runs a warm-up step before it is ever declared ready, so the first
+request pays no build and finds an engine thread alive."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway.client import Client
+from gateway.serve import GatewayRunner
+from tests.gateway.conftest import KEYS, MODEL, api_keys, pool_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_first_answer_on_an_empty_extension_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "torch_extensions"
+    cache.mkdir()
+    config = pool_config(min_workers=1, max_workers=1, start_timeout_s=600,
+                         worker_env=(("TESSERA_NUM_THREADS", "1"),
+                                     ("TORCH_EXTENSIONS_DIR", str(cache))))
+    started = time.monotonic()
+    runner = GatewayRunner([config], api_keys()).start(wait_ready=False)
+    try:
+        pool = runner.gateway.pools[MODEL]
+        # Until ready, nothing may be routed: the worker's socket does not exist yet.
+        assert pool.ready() == []
+        runner.call(runner.wait_ready(timeout_s=600), timeout_s=660)
+        worker = pool.ready()[0]
+        assert worker.status is not None
+        assert worker.status.native_ops == "loaded"  # as read when it was declared ready
+        assert any(cache.rglob("*.so")), "the build went somewhere else"
+        with Client(runner.target, api_key=KEYS["acme"]) as client:
+            stream = client.generate("The capital of France is", max_tokens=8,
+                                     temperature=0.0)
+            text = "".join(c.text for c in stream)
+        assert text.strip() and stream.finish_reason in ("length", "stop")
+        health = runner.call(worker.probe_health())
+        assert health.engine_alive
+        print(f"cold cache: ready after {worker.cold_start_s:.1f} s, first answer "
+              f"{time.monotonic() - started:.1f} s after start")
+    finally:
+        runner.stop()
