@@ -191,8 +191,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
           "max_tokens=32); print(''.join(c.text for c in s), s.usage)\"", flush=True)
     done.wait()
     print(f"draining (up to {args.shutdown_grace_s:g} s)", flush=True)
+    # NOTE: the gateway drains first while the shim still relays: new HTTP requests get a
+    # typed 503 from it, and requests cut at the end of the grace period end in their own
+    # protocol's error shape (JSON body, SSE error event) instead of a dropped connection.
+    runner.call(runner.drain(args.shutdown_grace_s), timeout_s=args.shutdown_grace_s + 30)
     if rest is not None:
-        runner.call(asyncio.gather(rest.stop(), runner.drain(args.shutdown_grace_s)),
-                    timeout_s=args.shutdown_grace_s + 30)
-    runner.stop(args.shutdown_grace_s)
+        runner.call(rest.stop(), timeout_s=30)
+    runner.stop()
     return 0
