@@ -217,7 +217,8 @@ class WorkerPool:
 
     def _command(self, worker: WorkerHandle) -> list[str]:
         cmd = [sys.executable, "-m", "runtime.worker", "--socket", worker.socket_path,
-               "--worker-id", worker.id, "--kv-cache-bytes", str(self.config.kv_cache_bytes),
+               "--worker-id", worker.id, "--served-model-name", self.config.model_id,
+               "--kv-cache-bytes", str(self.config.kv_cache_bytes),
                "--max-num-seqs", str(self.config.max_inflight)]
         if self.config.model_path is not None:
             cmd += ["--model", self.config.model_path]

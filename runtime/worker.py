@@ -132,9 +132,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             integrity_mismatches=snap.integrity_mismatches, native_ops=self.native_ops)
 
 
-def _served(engine, model: str | None, worker_id: str) -> convert.ServedInfo:
-    name = engine.checkpoint.revision.split(":")[0].removesuffix(".gguf") if model is None \
-        else os.path.basename(os.path.normpath(model))
+def _served(engine, model: str | None, worker_id: str,
+            served_name: str | None = None) -> convert.ServedInfo:
+    name = served_name or (
+        engine.checkpoint.revision.split(":")[0].removesuffix(".gguf") if model is None
+        else os.path.basename(os.path.normpath(model)))
     f = engine.formats
     return convert.ServedInfo(name, engine.checkpoint.revision, f.prefill.weights.label,
                               f.prefill.kv.name, f.decode.weights.label, f.decode.kv.name,
@@ -164,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--socket", required=True, help="unix socket path to listen on")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (the gateway passes its pool's id)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -206,7 +210,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("worker warmed up", worker=worker_id, native_ops=native_ops,
              warm_up_s=round(time.monotonic() - started, 3))
     llm = AsyncLLM(engine)
-    served = _served(engine, args.model, worker_id)
+    served = _served(engine, args.model, worker_id, args.served_model_name)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(
         WorkerServicer(llm, served, args.fault_tenant, args.fault_loop, native_ops), server)

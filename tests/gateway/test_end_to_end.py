@@ -98,6 +98,7 @@ def test_final_message_carries_served_configuration(client) -> None:
     stream = client.generate("Hello", max_tokens=2)
     list(stream)
     served = stream.served
+    assert served.model == MODEL  # the id clients use, as in ListModels
     assert served.revision.startswith("SmolLM2-135M-Instruct")
     assert (served.prefill_weights, served.decode_weights) == ("fp32", "fp32")
     assert (served.prefill_kv_cache, served.decode_kv_cache) == ("fp32", "fp32")
