@@ -72,6 +72,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             wreq = wpb.WorkerGenerateRequest(text=request.prompt)
             prefix = request.prompt[:PREFIX_CHARS]
         wreq.sampling.CopyFrom(request.sampling)
+        wreq.split_special_tokens = request.split_special_tokens
         async for resp in self._relay(request.model, wreq, prefix, context):
             yield resp
 
