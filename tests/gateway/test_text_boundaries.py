@@ -8,7 +8,7 @@ import pytest
 
 from gateway import convert
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
-from gateway.client import NO_RETRY, Client, ContextLengthExceeded
+from gateway.client import NO_RETRY, Client, ContextLengthExceeded, InvalidArgument
 from tests.gateway.conftest import KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -66,6 +66,16 @@ def test_the_stop_string_that_completes_first_wins_whatever_the_order(client, st
     stream = client.generate(FRANCE, max_tokens=4, temperature=0, stop=stop)
     assert "".join(c.text for c in stream) == " "
     assert (stream.finish_reason, stream.stop_reason) == ("stop", stop_reason)
+
+
+def test_an_empty_stop_string_beside_a_long_one_is_one_error_whatever_the_length(client):
+    errors = set()
+    for n in (3_000, 6_000, 50_000):
+        with pytest.raises(InvalidArgument) as info:
+            list(client.generate("Hi", max_tokens=1, stop=["", "x" * n]))
+        errors.add((info.value.reason, info.value.message, info.value.metadata["field"]))
+    assert errors == {("INVALID_ARGUMENT", "stop must be non-empty strings, got a tuple of "
+                       "length 2", "stop")}
 
 
 def test_max_tokens_past_the_context_is_refused_with_the_numbers(client, tokenizer):

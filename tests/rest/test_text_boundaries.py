@@ -111,6 +111,15 @@ def test_an_empty_stop_string_beside_a_long_one_is_one_400_whatever_the_length(s
     assert err["message"] == "stop must be non-empty strings, got a tuple of length 2"
 
 
+# -- top_k ----------------------------------------------------------------------------------
+
+
+def test_top_k_zero_is_off_as_vllm_users_send_it(oai) -> None:
+    kwargs = dict(model=MODEL, prompt=FRANCE, max_tokens=3, temperature=0)
+    off = oai.completions.create(**kwargs, extra_body={"top_k": 0})
+    assert off.choices[0].text == oai.completions.create(**kwargs).choices[0].text
+
+
 # -- max_tokens -----------------------------------------------------------------------------
 
 
