@@ -64,11 +64,12 @@ class _ClientBase:
         return (self._auth,) if session is None else (self._auth, (SESSION_KEY, session))
 
     @staticmethod
-    def _generate_request(prompt: str | list[int], model: str,
-                          sampling: Sampling) -> pb.GenerateRequest:
+    def _generate_request(prompt: str | list[int], model: str, sampling: Sampling,
+                          split_special_tokens: bool = False) -> pb.GenerateRequest:
         opts = sampling_options(**sampling)
         if isinstance(prompt, str):
-            return pb.GenerateRequest(model=model, prompt=prompt, sampling=opts)
+            return pb.GenerateRequest(model=model, prompt=prompt, sampling=opts,
+                                      split_special_tokens=split_special_tokens)
         return pb.GenerateRequest(model=model, prompt_token_ids=list(prompt), sampling=opts)
 
     @staticmethod
@@ -86,8 +87,11 @@ class Client(_ClientBase):
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def generate(self, prompt: str | list[int], *, model: str = "", session: str | None = None,
-                 timeout_s: float | None = None, **sampling: Unpack[Sampling]) -> Stream:
-        req = self._generate_request(prompt, model, sampling)
+                 timeout_s: float | None = None, split_special_tokens: bool = False,
+                 **sampling: Unpack[Sampling]) -> Stream:
+        """`split_special_tokens`: special-token literals in a text prompt are plain text
+        (else, as in Hugging Face's tokenizers, control tokens)."""
+        req = self._generate_request(prompt, model, sampling, split_special_tokens)
         return Stream(lambda: self.stub.Generate(req, metadata=self._metadata(session),
                                                  timeout=timeout_s or self.timeout_s),
                       self.retry)
@@ -140,8 +144,9 @@ class AsyncClient(_ClientBase):
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def generate(self, prompt: str | list[int], *, model: str = "", session: str | None = None,
-                 timeout_s: float | None = None, **sampling: Unpack[Sampling]) -> AsyncStream:
-        req = self._generate_request(prompt, model, sampling)
+                 timeout_s: float | None = None, split_special_tokens: bool = False,
+                 **sampling: Unpack[Sampling]) -> AsyncStream:
+        req = self._generate_request(prompt, model, sampling, split_special_tokens)
         return AsyncStream(lambda: self.stub.Generate(req, metadata=self._metadata(session),
                                                       timeout=timeout_s or self.timeout_s),
                            self.retry)

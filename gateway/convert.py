@@ -39,9 +39,12 @@ class ServedInfo:
 
 
 def sampling_params(opts: pb.SamplingOptions) -> SamplingParams:
+    """An unset field takes SamplingParams' default, but an unset max_tokens means all the
+    context leaves (the offline default of 16 is for offline calls)."""
     kwargs: dict[str, Any] = {name: getattr(opts, name) for name in _OPTIONAL_FIELDS
                               if opts.HasField(name)}
-    if "max_tokens" in kwargs and kwargs["max_tokens"] == 0:
+    kwargs.setdefault("max_tokens", None)
+    if kwargs["max_tokens"] == 0:
         raise InvalidArgument("max_tokens must be at least 1, got 0", field="max_tokens")
     return SamplingParams(stop=tuple(opts.stop), stop_token_ids=tuple(opts.stop_token_ids),
                           ignore_eos=opts.ignore_eos, **kwargs)

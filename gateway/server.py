@@ -136,6 +136,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 wreq = wpb.WorkerGenerateRequest(text=request.prompt)
                 prefix = request.prompt[:PREFIX_CHARS]
             wreq.sampling.CopyFrom(request.sampling)
+            wreq.split_special_tokens = request.split_special_tokens
             return wreq, prefix
 
         async for resp in self._relay(request.model, build, context):

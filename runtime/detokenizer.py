@@ -44,12 +44,15 @@ class IncrementalDetokenizer:
         self._check_stop(start)
 
     def _check_stop(self, search_from: int) -> None:
-        for s in self.stop:
-            idx = self.text.find(s, search_from)
-            if idx != -1:
-                self.stopped_on = s
-                self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
-                return
+        """Cut at the stop string that completes first when the text is read a character at a
+        time: the smallest end; at one end, the longest (the earliest start)."""
+        found = [(self.text.find(s, search_from), s) for s in self.stop]
+        matches = [(idx, s) for idx, s in found if idx != -1]
+        if not matches:
+            return
+        idx, s = min(matches, key=lambda m: (m[0] + len(m[1]), m[0]))
+        self.stopped_on = s
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
 
     def flush(self, finished: bool) -> str:
         """Release the text that is safe to show; everything once finished."""

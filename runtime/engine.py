@@ -195,13 +195,8 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; this model serves at most {self.max_model_len} "
                 f"(prompt and output together)", prompt_tokens=len(ids),
                 max_model_len=self.max_model_len)
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        if self.pool.pages_for_tokens(longest) > self.scheduler.quota_pages:
-            raise TenantQuotaExceeded(
-                f"this request may need {longest} tokens of KV, more than tenant {tenant!r} may "
-                f"hold ({self.scheduler.quota_pages * self.pool.page_size} tokens)",
-                tenant=tenant, quota_pages=self.scheduler.quota_pages)
-        seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text)
+        max_tokens = self._resolve_max_tokens(len(ids), params.max_tokens, tenant)
+        seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text, max_tokens=max_tokens)
         seq.shared_namespace, seq.shared_pages = self._shared_prefix_for(tenant, ids)
         seq.extra["detok"] = IncrementalDetokenizer(
             self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
@@ -211,6 +206,30 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _resolve_max_tokens(self, prompt_tokens: int, asked: int | None, tenant: str) -> int:
+        """The output limit: what was asked, refused past the context or the tenant's KV quota;
+        when unset, all that both leave after the prompt."""
+        quota_tokens = self.scheduler.quota_pages * self.pool.page_size
+        if asked is None:
+            room = min(self.max_model_len, quota_tokens) - prompt_tokens
+            if room >= 1:
+                return room
+            asked = 1  # the quota holds not even the prompt and one token: refused below
+        elif prompt_tokens + asked > self.max_model_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_tokens + asked} tokens ({prompt_tokens} in the messages, "
+                f"{asked} in the completion). Please reduce the length of the messages or "
+                f"completion.", field="max_tokens", prompt_tokens=prompt_tokens,
+                max_tokens=asked, max_model_len=self.max_model_len)
+        longest = prompt_tokens + asked
+        if self.pool.pages_for_tokens(longest) > self.scheduler.quota_pages:
+            raise TenantQuotaExceeded(
+                f"this request may need {longest} tokens of KV, more than tenant {tenant!r} may "
+                f"hold ({quota_tokens} tokens)", tenant=tenant,
+                quota_pages=self.scheduler.quota_pages)
+        return asked
 
     def prompt_logits(self, token_ids: list[int], tenant: str = "default") -> torch.Tensor:
         """Teacher-forced next-token logits at every prompt position, float32 [n, vocab] (row
@@ -333,7 +352,7 @@ class LLMEngine:
         elif detok.stopped_on is not None:
             seq.stop_reason = detok.stopped_on
             self._finish(seq, "stop")
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:

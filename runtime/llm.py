@@ -94,8 +94,10 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, *,
              tenant: str = "default") -> list[RequestOutput]:
+        """Each conversation rendered with the model's chat template; message contents are
+        tokenized as plain text (a "<|im_end|>" in one is text, never a control token)."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.engine.tokenizer.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
+        prompts = [self.engine.tokenizer.encode_chat(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, tenant=tenant)
 
     def _run(self, order: dict[str, int]) -> list[RequestOutput]:

@@ -9,11 +9,15 @@ from runtime.errors import InvalidArgument
 # Temperatures below this sample greedily (as in vLLM): dividing logits by a smaller one
 # overflows float32, or underflows the temperature itself to zero.
 SAMPLING_EPS = 1e-5
+# Stop strings are searched on every decoded token: their number and length are bounded.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    # None: as many as the context (and the tenant's KV quota) leaves after the prompt.
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -40,23 +44,26 @@ class SamplingParams:
             try:
                 object.__setattr__(self, name, tuple(value))
             except TypeError:
-                raise InvalidArgument(f"{name} must be a list, got {value!r}",
+                raise InvalidArgument(f"{name} must be a list, got {_shown(value)}",
                                       field=name) from None
+        if type(self.top_k) is int and self.top_k == 0:  # vLLM's users send 0 for "off" too
+            object.__setattr__(self, "top_k", -1)
         self._validate()
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> InvalidArgument:
-            value = getattr(self, name)
-            return InvalidArgument(f"{name} {why}, got {value!r}", field=name)
+            return InvalidArgument(f"{name} {why}, got {_shown(getattr(self, name))}",
+                                   field=name)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise bad("max_tokens", "must be an integer")
-        if self.max_tokens <= 0:
-            raise bad("max_tokens", "must be at least 1")
+        if self.max_tokens is not None:
+            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+                raise bad("max_tokens", "must be an integer")
+            if self.max_tokens <= 0:
+                raise bad("max_tokens", "must be at least 1")
         if not _is_finite(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise bad("top_k", "must be -1 (off) or a positive integer")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad("top_k", "must be -1 or 0 (off) or a positive integer")
         if not _is_finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if not _is_finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
@@ -72,6 +79,10 @@ class SamplingParams:
             raise bad("seed", "must be an integer in [0, 2**64)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise bad("stop", f"strings may be at most {MAX_STOP_CHARS} characters long")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or
@@ -86,6 +97,20 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _shown(value: object) -> str:
+    """What an error may echo of a value: a number as is, anything else by its kind only
+    (client input of any size must not grow the message)."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, float) or (isinstance(value, int) and abs(value) < 1 << 64):
+        return repr(value)
+    if isinstance(value, int):
+        return "an integer of more than 64 bits"
+    if isinstance(value, (str, tuple, list)):
+        return f"a {type(value).__name__} of length {len(value)}"
+    return f"a value of type {type(value).__name__}"
 
 
 def _is_finite(x: object) -> bool:

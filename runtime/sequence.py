@@ -52,6 +52,14 @@ class Sequence:
     error: TesseraError | None = None
     # Engine-side helpers (detokenizer, sampler generator) live here, opaque to the scheduler.
     extra: dict[str, Any] = field(default_factory=dict)
+    # Most output tokens: params.max_tokens when set (0 here), else what the engine resolved.
+    max_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            if self.params.max_tokens is None:
+                raise ValueError("an unset max_tokens must be resolved before the sequence")
+            self.max_tokens = self.params.max_tokens
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,14 +1,20 @@
-"""Tokenizer and chat template read from the checkpoint (GGUF metadata or tokenizer.json)."""
+"""Tokenizer and chat template read from the checkpoint (GGUF metadata or tokenizer.json).
+
+Control tokens come only from the template: a chat message's content, and a raw prompt with
+`split_special_tokens`, are always tokenized as plain text.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Encoding, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from runtime.errors import InvalidArgument, ModelLoadError
@@ -26,19 +32,88 @@ class Tokenizer:
         self.eos_token = eos_token
         self.add_bos = add_bos
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.special_ids = {
-            tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special
-        }
+        specials = {tid: tok.content for tid, tok in backend.get_added_tokens_decoder().items()
+                    if tok.special}
+        self.special_ids = set(specials)
+        self._special_texts = sorted(set(specials.values()), key=len, reverse=True)
+        # Longest first: at one position the longest literal wins, as the backend matches.
+        self._special_pattern = re.compile(
+            "(" + "|".join(map(re.escape, self._special_texts)) + ")") if specials else None
+        # NOTE: a second backend that reads special-token literals as text. Neither is mutated
+        # after this, so both may encode from any thread at once.
+        self._text_backend = HFTokenizer.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos and self.bos_token is not None:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               split_special_tokens: bool = False) -> list[int]:
+        """With `split_special_tokens`, special-token literals in `text` (e.g. "<|im_end|>")
+        are plain text, as in Hugging Face's tokenizers; else they are control tokens."""
+        backend = self._text_backend if split_special_tokens else self.backend
+        ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(ids) if add_special_tokens else ids
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        if self.add_bos and self.bos_token is not None:
             bos = self.backend.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
-                ids = [bos, *ids]
+                return [bos, *ids]
         return ids
+
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """The rendered conversation's ids, where control tokens come only from the template.
+
+        For messages without special-token literals, the same ids as encoding the rendered
+        text whole: the backend also splits at special tokens first and encodes the text
+        between them on its own, so splitting at the template's special tokens changes nothing.
+        """
+        pieces, contents = self._render_pieces(messages, add_generation_prompt)
+        segments: list[tuple[str, bool]] = []  # (text, is a control token)
+        for i, piece in enumerate(pieces):
+            parts = self._special_pattern.split(piece) if self._special_pattern else [piece]
+            for j, part in enumerate(parts):
+                segments.append((part, j % 2 == 1))
+            if i < len(contents):
+                segments.append((contents[i], False))
+        encodings: list[Encoding] = []
+        text = ""
+        for part, special in segments:
+            if not special:
+                text += part
+                continue
+            if text:
+                encodings.append(self._text_backend.encode(text, add_special_tokens=False))
+                text = ""
+            encodings.append(self.backend.encode(part, add_special_tokens=False))
+        if text:
+            encodings.append(self._text_backend.encode(text, add_special_tokens=False))
+        if not encodings:
+            return self._with_bos([])
+        merged = Encoding.merge(encodings, growing_offsets=True)
+        return self._with_bos(self.backend.post_process(merged).ids)
+
+    def _render_pieces(self, messages: list[dict[str, Any]],
+                       add_generation_prompt: bool) -> tuple[list[str], list[str]]:
+        """The template's own text, split where message contents go: pieces[i] comes before
+        contents[i] (a content appears as often, and in the order, the template puts it)."""
+        rendered = self.apply_chat_template(messages, add_generation_prompt)
+        nonce = secrets.token_hex(16)
+        while any(nonce in m["content"] or nonce in m["role"] for m in messages):
+            nonce = secrets.token_hex(16)  # NOTE: never in practice (128 random bits)
+        marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
+        template = self._render(marked, add_generation_prompt)
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", template)
+        pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
+        # The template may change a content (Llama 3's `| trim`): the split stands only if it
+        # puts back exactly the text the template renders.
+        for transform in (str, str.strip):
+            contents = [transform(messages[i]["content"]) for i in order]
+            if _interleave(pieces, contents) == rendered:
+                return pieces, contents
+        raise InvalidArgument("this model's chat template changes message contents in a way "
+                              "that cannot be tokenized safely", field="messages")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -60,6 +135,13 @@ class Tokenizer:
                     or not isinstance(m.get("content"), str):
                 raise InvalidArgument(f"messages[{i}] needs string 'role' and 'content'",
                                       field="messages")
+            # A role is rendered among the template's own text: it may not bring a control token.
+            if any(t in m["role"] for t in self._special_texts):
+                raise InvalidArgument(f"messages[{i}] has a special token in its role",
+                                      field="messages")
+        return self._render(messages, add_generation_prompt)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         if self._template is None:
             self._template = self._env.from_string(self.chat_template)
         try:
@@ -121,6 +203,10 @@ class Tokenizer:
         return cls(backend, template if isinstance(template, str) else None,
                    _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")),
                    bool(cfg.get("add_bos_token", False)))
+
+
+def _interleave(pieces: list[str], contents: list[str]) -> str:
+    return "".join(p + c for p, c in zip(pieces, [*contents, ""], strict=True))
 
 
 def _token_text(value: Any) -> str | None:

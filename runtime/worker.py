@@ -84,7 +84,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return list(request.token_ids.ids)
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return self.engine.tokenizer.apply_chat_template(messages)
+            return self.engine.tokenizer.encode_chat(messages)
+        if request.split_special_tokens and request.text:
+            return self.engine.tokenizer.encode(request.text, split_special_tokens=True)
         return request.text
 
     async def _inject_fault(self, request_id: str) -> None:

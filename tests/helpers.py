@@ -37,6 +37,6 @@ def engine_step(sched: Scheduler, stop: set[Sequence] | None = None) -> Schedule
         item.seq.num_computed_tokens += item.num_tokens
     for seq in samplers:
         seq.output_token_ids.append(next(_fake_tokens))
-        if len(seq.output_token_ids) >= seq.params.max_tokens or (stop and seq in stop):
+        if len(seq.output_token_ids) >= seq.max_tokens or (stop and seq in stop):
             sched.finish(seq)
     return out

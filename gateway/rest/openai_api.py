@@ -116,7 +116,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
 @router.post("/completions", responses={**SSE_OK, **OPENAI_ERRORS})
 async def completions(request: Request, body: CompletionRequest) -> Response:
     stream = open_stream(request, request.app.state.upstream, model=body.model,
-                         prompt=body.prompt_value(), sampling=body.sampling())
+                         prompt=body.prompt_value(), sampling=body.sampling(),
+                         split_special_tokens=body.split_special_tokens)
     return await _serve(request, body, _Shape(False, body.model), "completions", stream)
 
 

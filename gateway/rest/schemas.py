@@ -29,7 +29,7 @@ def _utf8(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 Float = Annotated[float, Field(allow_inf_nan=False)]
-MaxTokens = Annotated[int, Field(ge=0, le=U32)]
+MaxTokens = Annotated[int, Field(ge=1, le=U32)]
 Stop = Text | list[Text] | None
 
 
@@ -40,7 +40,7 @@ class Strict(BaseModel):
 class Sampling(Strict):
     """Sampling fields shared by every generation route."""
 
-    max_tokens: MaxTokens | None = None
+    max_tokens: MaxTokens | None = None  # None: all the context leaves after the prompt
     temperature: Float | None = None
     top_p: Float | None = None
     top_k: Annotated[int, Field(ge=-(I32 + 1), le=I32)] | None = None
@@ -109,6 +109,10 @@ Prompt = Text | Annotated[list[Text], Field(min_length=1, max_length=1)] | \
 
 class CompletionRequest(OpenAIRequest):
     prompt: Prompt
+    max_tokens: MaxTokens | None = 16  # the legacy OpenAI completions API's documented default
+    # Not OpenAI's (an extra field, as vLLM accepts extras): special-token literals in a text
+    # prompt are plain text, not control tokens (Hugging Face's name for it).
+    split_special_tokens: bool = False
 
     def prompt_value(self) -> str | list[int]:
         p = self.prompt

@@ -70,12 +70,13 @@ def session(request: Request) -> str | None:
 def open_stream(request: Request, upstream: Upstream, *, model: str,
                 prompt: str | list[int] | None = None,
                 messages: list[dict[str, str]] | None = None,
-                sampling: dict[str, Any]) -> AsyncStream:
+                sampling: dict[str, Any], split_special_tokens: bool = False) -> AsyncStream:
     client = upstream.client(api_key(request))
     if messages is not None:
         return client.chat(messages, model=model, session=session(request), **sampling)
     assert prompt is not None
-    return client.generate(prompt, model=model, session=session(request), **sampling)
+    return client.generate(prompt, model=model, session=session(request),
+                           split_special_tokens=split_special_tokens, **sampling)
 
 
 def served_header(served: ServedInfo | None) -> dict[str, str]:

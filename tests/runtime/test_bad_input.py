@@ -68,6 +68,10 @@ def too_long_text(e: LLMEngine, rid: str) -> Any:
     return e.add_request(rid, "hello " * e.max_model_len, GREEDY)
 
 
+def output_past_context(e: LLMEngine, rid: str) -> Any:
+    return e.add_request(rid, [1] * 10, SamplingParams(max_tokens=e.max_model_len - 9))
+
+
 CASES = [
     prompt_case("empty_string", "", "prompt", "empty"),
     prompt_case("empty_token_list", [], "prompt", "empty"),
@@ -80,6 +84,8 @@ CASES = [
             ("prompt", "tokens", "at most")),
     BadCase("prompt_text_past_context", too_long_text, ContextLengthExceeded,
             ("prompt", "tokens", "at most")),
+    BadCase("max_tokens_past_context", output_past_context, ContextLengthExceeded,
+            ("maximum context length", "10 in the messages")),
     params_case("max_tokens_zero", "max_tokens", 0, "at least 1"),
     params_case("max_tokens_negative", "max_tokens", -3, "at least 1"),
     params_case("max_tokens_float", "max_tokens", 2.5, "integer"),
@@ -90,7 +96,6 @@ CASES = [
     params_case("temperature_nan", "temperature", math.nan, "finite"),
     params_case("temperature_inf", "temperature", math.inf, "finite"),
     params_case("temperature_string", "temperature", "hot", "number"),
-    params_case("top_k_zero", "top_k", 0, "-1"),
     params_case("top_k_below_minus_one", "top_k", -2, "-1"),
     params_case("top_k_float", "top_k", 2.5, "integer"),
     params_case("min_p_above_one", "min_p", 1.5, "[0, 1]"),
@@ -104,6 +109,8 @@ CASES = [
     params_case("stop_not_a_string", "stop", [3], "strings"),
     params_case("stop_empty_string", "stop", [""], "non-empty"),
     params_case("stop_a_number", "stop", 5, "list"),
+    params_case("stop_too_many_strings", "stop", ["a"] * 17, "at most 16"),
+    params_case("stop_string_too_long", "stop", ["a" * 257], "at most 256"),
     params_case("stop_token_ids_negative", "stop_token_ids", [-1], "non-negative"),
     params_case("stop_token_ids_a_number", "stop_token_ids", 5, "list"),
     params_case("logprobs_too_many", "logprobs", 21, "[0, 20]"),
@@ -149,7 +156,8 @@ def test_context_length_error_says_both_lengths(engine):
 
 
 def test_longest_allowed_prompt_is_accepted(engine):
-    seq = engine.add_request("longest", [1] * (engine.max_model_len - 1), GREEDY)
+    one = SamplingParams(max_tokens=1)
+    seq = engine.add_request("longest", [1] * (engine.max_model_len - 1), one)
     assert engine.requests["longest"] is seq
 
 

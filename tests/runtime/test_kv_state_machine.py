@@ -116,8 +116,8 @@ class KVMachine(RuleBasedStateMachine):
             prompt = [*prefix, *suffix] or [1]
             # The engine refuses these at add_request (CONTEXT_LENGTH_EXCEEDED,
             # TENANT_QUOTA_EXCEEDED); the scheduler never sees them.
-            longest = min(len(prompt) + max_tokens, self.max_model_len)
-            if (len(prompt) >= self.max_model_len
+            longest = len(prompt) + max_tokens
+            if (longest > self.max_model_len
                     or self.pool.pages_for_tokens(longest) > self.sched.quota_pages):
                 continue
             seq = Sequence(f"req-{next(_request_ids)}", prompt,
@@ -186,7 +186,7 @@ class KVMachine(RuleBasedStateMachine):
             sched.cache_full_pages(item.seq)
         for seq in samplers:
             seq.output_token_ids.append(next_token(seq.token_ids))
-            if (len(seq.output_token_ids) >= seq.params.max_tokens
+            if (len(seq.output_token_ids) >= seq.max_tokens
                     or seq.num_tokens >= self.max_model_len):
                 sched.finish(seq)
 

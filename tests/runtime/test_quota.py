@@ -275,3 +275,13 @@ def test_a_tenant_at_its_quota_waits_while_another_tenant_proceeds(engine):
     for rid in ACME_LONGER:
         assert finals[rid].error is None and finals[rid].outputs[0].finish_reason == "length"
     engine.check_quiescent()
+
+
+@pytest.mark.slow
+def test_an_unset_max_tokens_is_limited_to_what_the_quota_holds_not_refused(engine):
+    quota_tokens = engine.scheduler.quota_pages * engine.pool.page_size
+    assert quota_tokens < engine.max_model_len
+    prompt_len = len(engine.tokenizer.encode(PROMPTS["acme"]))
+    seq = engine.add_request("unset", PROMPTS["acme"], SamplingParams(max_tokens=None),
+                             tenant="acme")
+    assert seq.max_tokens == quota_tokens - prompt_len
