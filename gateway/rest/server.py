@@ -65,7 +65,7 @@ class RestServer:
             await asyncio.sleep(0.01)
         return self
 
-    async def stop(self, grace_s: float = 10.0) -> None:
+    async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting connections; answer new API requests with 503 UNAVAILABLE; let the
         requests in flight finish for up to grace_s, then end what is left with UNAVAILABLE in
         its own protocol's shape (a JSON error body, or an error event ending the stream)."""
