@@ -1,126 +1,122 @@
 """The ASGI app of the REST shim: OpenAI-compatible and Workers-AI-style routes over the
-gateway's SDK, errors in each API's own envelope, a JSON status endpoint and the status page."""
+gateway's SDK, errors in each API's own envelope, the status endpoint (behind the operator key)
+and the status page."""
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import FileResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import Internal, Unauthenticated
 from gateway.rest import openai_api, workers_ai
+from gateway.rest.drain import Drain
 from gateway.rest.errors import ShimError, error_response
+from gateway.rest.guard import (
+    API_PREFIXES,
+    BODY_TIMEOUT_S,
+    MAX_BODY_BYTES,
+    MAX_HEADER_BYTES,
+    Guard,
+    wants_workers_ai,
+)
+from gateway.rest.schemas import RUN_TAGS
 from gateway.rest.status import GatewayView, ShimStats
-from gateway.rest.upstream import Upstream
-from runtime.errors import TesseraError
+from gateway.rest.upstream import MAX_API_KEY_BYTES, MAX_SESSION_BYTES, Upstream
+from runtime.errors import TesseraError, bounded
 
 STATIC = Path(__file__).parent / "static"
-MAX_BODY_BYTES = 1 << 20
-API_PREFIXES = ("/v1/", "/ai/")
-_HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "REQUEST_TOO_LARGE"}
-DESCRIPTION = """OpenAI-compatible and Workers-AI-style HTTP APIs of tessera, a client of its
+_HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 408: "REQUEST_TIMEOUT",
+                 413: "REQUEST_TOO_LARGE"}
+DESCRIPTION = f"""OpenAI-compatible and Workers-AI-style HTTP APIs of tessera, a client of its
 gRPC gateway: `Authorization: Bearer <api key>` and `x-session-affinity` pass through.
-Bodies are JSON whatever their content-type, and strict: unknown fields and mistyped values are
-refused with 400 (no coercion of `"0.5"` to a number); OpenAI fields tessera does not implement
-are accepted only at their neutral value (`n: 1`). Bodies over the size limit get 413.
-Errors: OpenAI routes answer `{"error": {"message", "type", "code", "param", "reason"}}`,
+
+Headers: the API key and `x-session-affinity` are printable ASCII of at most
+{MAX_API_KEY_BYTES} and {MAX_SESSION_BYTES} bytes (else 401 and 400), and all headers together
+at most {MAX_HEADER_BYTES} bytes (else 431). Bodies are JSON whatever their content-type, at
+most the size limit (else 413), and must keep arriving (408 after {BODY_TIMEOUT_S:g} s without
+a byte, by default). Bodies are strict: unknown fields and mistyped values are refused with 400
+(no coercion of `"0.5"` to a number, and integers are written as such: `2`, not `2.0`), strings
+must be valid UTF-8 (no lone surrogates); OpenAI fields tessera does not implement are
+accepted only at their neutral value (`n: 1`). `top_k` 0 and -1 both mean off. `max_tokens` and
+`max_completion_tokens`, when both are given, must agree.
+
+Refused for reasons this document cannot state (they depend on the model, the key or the
+load): an unknown model (404) or one the key may not use (403); a prompt that does not fit the
+model's context with `max_tokens` (400 `CONTEXT_LENGTH_EXCEEDED`); a prompt that is empty or
+whose token ids are outside the model's vocabulary (400 `INVALID_ARGUMENT`, param `prompt`); a
+conversation the model's chat template refuses (400); a request that alone needs more KV than
+its tenant may hold (429 `TENANT_QUOTA_EXCEEDED`, not to be retried); a full server (429 with
+Retry-After); a server shutting down (503 `UNAVAILABLE` with Retry-After).
+
+Errors: OpenAI routes answer `{{"error": {{"message", "type", "code", "param", "reason"}}}}`,
 `/ai/run` its envelope with `success: false`; the HTTP status follows the reason (400, 401,
-403, 404, 409 for a KV integrity abort, 413, 429 with Retry-After when retrying helps, 503,
-504). Non-streaming answers carry `x-tessera-served` (model, revision, weight/KV formats per
-phase, worker); OpenAI bodies carry the same as `system_fingerprint`."""
+403, 404, 408, 409 for a KV integrity abort, 413, 429 with Retry-After when retrying helps,
+431, 503, 504). Non-streaming answers carry `x-tessera-served` (model, revision, weight/KV
+formats per phase, worker); OpenAI bodies carry the same as `system_fingerprint`. `/status`
+needs `Authorization: Bearer <operator key>`."""
+MAX_FIELD_PART_CHARS = 64
+MAX_ERRORS_SHOWN = 3
+# NOTE: pydantic's messages for these context keys quote the input (a tag, an attribute, a
+# parser's error); the errors our own validators raise (`value_error`) never do.
+_ECHOING_CONTEXT = {"error", "tag", "attribute"}
 
 
-def _wants_workers_ai(path: str) -> bool:
-    return path.startswith("/ai/")
+def _field(error: dict[str, Any]) -> str:
+    """Where an error is, as the client wrote it: without `body`, the /ai/run member's tag or
+    pydantic's union labels (`function-after[...]`, `list[...]`), each part bounded."""
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[2:] if loc[1:2] and loc[1] in RUN_TAGS else loc[1:]
+    parts = [str(p) for p in loc if not (isinstance(p, str) and "[" in p)]
+    return ".".join(bounded(p, MAX_FIELD_PART_CHARS) for p in parts)
 
 
-def _content_length(headers: dict[str, str]) -> int:
-    value = headers.get("content-length", "").strip()
-    return int(value) if value.isdigit() else 0
-
-
-class _TooLarge(HTTPException):
-    def __init__(self) -> None:
-        super().__init__(413, "request body too large")
-
-
-class Guard:
-    """Before any parsing: API routes need a bearer token, and bodies stay under the limit."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith(API_PREFIXES):
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        refusal: TesseraError | None = None
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            refusal = Unauthenticated("missing `Authorization: Bearer <api key>` header")
-        elif _content_length(headers) > self.max_body_bytes:
-            refusal = ShimError("REQUEST_TOO_LARGE", f"request body over the limit of "
-                                f"{self.max_body_bytes} bytes", limit=self.max_body_bytes)
-        if refusal is not None:
-            return await error_response(refusal, _wants_workers_ai(path))(scope, receive, send)
-        # NOTE: bodies are JSON whatever the content-type says: `curl -d '{...}'` sends a form
-        # type, and Workers AI's and OpenAI's own examples rely on that working.
-        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
-                                      if k.lower() != b"content-type"]
-                 + [(b"content-type", b"application/json")]}
-        received = 0
-
-        async def limited() -> Any:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_body_bytes:  # chunked bodies have no content-length
-                raise _TooLarge()
-            return message
-
-        await self.app(scope, limited, send)
+def _message(error: dict[str, Any]) -> str:
+    if error.get("type") != "value_error" and _ECHOING_CONTEXT & set(error.get("ctx") or {}):
+        return "invalid value"
+    return str(error.get("msg", "invalid value"))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A bounded message that names fields but never echoes a value the client sent."""
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return "malformed JSON body", None
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    field = ".".join(loc) or None
-    text = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
-                     f"{e.get('msg', 'invalid')}" for e in errors[:5])
-    return f"invalid request: {text}", field
+    text = "; ".join(f"{_field(e) or 'body'}: {_message(e)}" for e in errors[:MAX_ERRORS_SHOWN])
+    more = f" (and {len(errors) - MAX_ERRORS_SHOWN} more)" if len(errors) > MAX_ERRORS_SHOWN \
+        else ""
+    return f"invalid request: {text}{more}", (_field(errors[0]) if errors else "") or None
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     async def tessera(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, TesseraError)
-        return error_response(exc, _wants_workers_ai(request.url.path))
+        return error_response(exc, wants_workers_ai(request.url.path))
 
     async def validation(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         message, field = _validation_message(exc)
         error = ShimError("INVALID_ARGUMENT", message, **({"field": field} if field else {}))
-        return error_response(error, _wants_workers_ai(request.url.path))
+        return error_response(error, wants_workers_ai(request.url.path))
 
     async def http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         reason = _HTTP_REASONS.get(exc.status_code, "INVALID_ARGUMENT")
         error = ShimError(reason, str(exc.detail))
-        response = error_response(error, _wants_workers_ai(request.url.path))
+        response = error_response(error, wants_workers_ai(request.url.path))
         response.headers.update(exc.headers or {})
         return response
 
     async def internal(request: Request, exc: Exception) -> Response:  # never a traceback
         return error_response(Internal(f"internal error: {type(exc).__name__}"),
-                              _wants_workers_ai(request.url.path))
+                              wants_workers_ai(request.url.path))
 
     app.add_exception_handler(TesseraError, tessera)
     app.add_exception_handler(RequestValidationError, validation)
@@ -140,26 +136,44 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 op.get("responses", {}).pop("422", None)
                 if path.startswith(API_PREFIXES):
                     op["security"] = [{"bearer": []}]
+                elif path == "/status":
+                    op["security"] = [{"operator": []}]
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "an API key"},
+            "operator": {"type": "http", "scheme": "bearer", "description": "the operator key"}}
         app.openapi_schema = doc
     return app.openapi_schema
 
 
+def _operator(request: Request) -> None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    key: str = request.app.state.operator_key
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             key.encode()):
+        raise Unauthenticated("`/status` needs `Authorization: Bearer <operator key>`")
+
+
 def build_app(upstream: Upstream, view: GatewayView | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, *, operator_key: str | None = None,
+              body_timeout_s: float = BODY_TIMEOUT_S, drain: Drain | None = None) -> FastAPI:
+    """`operator_key` opens `/status`; without one, a random key nobody knows keeps it shut."""
     app = FastAPI(title="tessera REST shim", version="1", description=DESCRIPTION)
     app.state.upstream, app.state.stats, app.state.view = upstream, ShimStats(), view
+    app.state.operator_key = operator_key or secrets.token_urlsafe(32)
+    app.state.drain = drain = drain or Drain()
     app.include_router(openai_api.router)
     app.include_router(workers_ai.router)
     _install_error_handlers(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
-    @app.get("/status", tags=["status"])
+    @app.get("/status", tags=["status"], dependencies=[Depends(_operator)],
+             responses={401: {"description": "no or wrong operator key"}})
     async def status(request: Request) -> dict[str, Any]:
-        """The status page's data: this shim's counts and, in the gateway's process, pools."""
+        """The status page's data: this shim's counts and, in the gateway's process, pools and
+        workers (with their PIDs): for operators only."""
         view: GatewayView | None = request.app.state.view
         return {"gateway_target": upstream.target,
                 "shim": request.app.state.stats.snapshot(),
@@ -173,5 +187,6 @@ def build_app(upstream: Upstream, view: GatewayView | None = None,
     async def script() -> FileResponse:
         return FileResponse(STATIC / "status.js", media_type="text/javascript")
 
-    app.add_middleware(Guard, max_body_bytes=max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(Guard, drain=drain, max_body_bytes=max_body_bytes,  # type: ignore[arg-type]
+                       body_timeout_s=body_timeout_s)
     return app

@@ -80,7 +80,7 @@ class _Shape:
 
 async def _serve(request: Request, body: OpenAIRequest, shape: _Shape, route: str,
                  stream: AsyncStream) -> Response:
-    relay = await Relay(stream, request.app.state.stats, route).start()
+    relay = await Relay(stream, request, route).start()
     if not body.stream:
         text = await relay.text()
         return JSONResponse(shape.full(text, stream), headers=served_header(stream.served))

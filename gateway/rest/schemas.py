@@ -1,22 +1,36 @@
 """Request bodies of the HTTP APIs (pydantic), strict by design.
 
 Strictness, documented: unknown fields are refused (400, as OpenAI does); types are not coerced
-(`"0.5"` is not a number); integers must fit the wire (uint32 / int32 / uint64) and floats must
-be finite. Whether a value makes sense (temperature < 0, top_p > 1, an empty conversation) is
-judged by the engine, which answers INVALID_ARGUMENT naming the field: one rule, one place.
-OpenAI fields that tessera does not implement are accepted only at their neutral value
-(`n` = 1, no `logprobs`, no `tools`), so a client never gets a silently different answer.
+(`"0.5"` is not a number); numbers must fit the wire: integers its uint32 / int32 / uint64,
+floats its float32 (finite, and a positive bound stays positive there). The sampling ranges
+and the stop list's bounds are the engine's (SamplingParams checks them again, and
+tests/rest/test_schemas.py holds the two to the same edges), stated here so that the OpenAPI
+document says what is accepted; so are a non-empty conversation and exactly one of `prompt` /
+`messages`. OpenAI fields that tessera does not implement are accepted only at their neutral
+value (`n` = 1, no `logprobs`, no `tools`), so a client never gets a silently different answer.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
+
+from runtime.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 U32 = 2**32 - 1
 I32 = 2**31 - 1
 U64 = 2**64 - 1
+F32_MAX = 3.4028234663852886e38
+F32_MIN_POSITIVE = 2.0**-149  # the wire's float32 rounds anything smaller to 0
 
 
 def _utf8(value: str) -> str:
@@ -28,9 +42,13 @@ def _utf8(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_utf8)]
-Float = Annotated[float, Field(allow_inf_nan=False)]
+Float = Annotated[float, Field(allow_inf_nan=False, ge=-F32_MAX, le=F32_MAX)]
+Positive = Annotated[Float, Field(ge=F32_MIN_POSITIVE)]
 MaxTokens = Annotated[int, Field(ge=1, le=U32)]
-Stop = Text | list[Text] | None
+Penalty = Annotated[Float, Field(ge=-2, le=2)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_utf8)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
 
 
 class Strict(BaseModel):
@@ -41,13 +59,13 @@ class Sampling(Strict):
     """Sampling fields shared by every generation route."""
 
     max_tokens: MaxTokens | None = None  # None: all the context leaves after the prompt
-    temperature: Float | None = None
-    top_p: Float | None = None
-    top_k: Annotated[int, Field(ge=-(I32 + 1), le=I32)] | None = None
-    min_p: Float | None = None
-    repetition_penalty: Float | None = None
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
+    temperature: Annotated[Float, Field(ge=0)] | None = None
+    top_p: Annotated[Positive, Field(le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=I32)] | None = None  # -1 and 0: off
+    min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Positive | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     seed: Annotated[int, Field(ge=0, le=U64)] | None = None
     stop: Stop = None
     ignore_eos: bool = False
@@ -57,6 +75,8 @@ class Sampling(Strict):
         names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "seed", "stop")
         out = {name: getattr(self, name) for name in names}
+        if out["top_k"] == 0:  # NOTE: -1 means off to every worker version; 0 only to newer ones
+            out["top_k"] = -1
         return {**out, "ignore_eos": self.ignore_eos}
 
 
@@ -90,8 +110,11 @@ class OpenAIRequest(Sampling):
     logprobs: Literal[False] | None = None
 
 
+Messages = Annotated[list[Message], Field(min_length=1)]
+
+
 class ChatCompletionRequest(OpenAIRequest):
-    messages: list[Message]
+    messages: Messages
     max_completion_tokens: MaxTokens | None = None
 
     @model_validator(mode="after")
@@ -103,7 +126,7 @@ class ChatCompletionRequest(OpenAIRequest):
         return self
 
 
-Prompt = Text | Annotated[list[Text], Field(min_length=1, max_length=1)] | \
+Prompt = NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)] | \
     Annotated[list[Annotated[int, Field(ge=0, le=U32)]], Field(min_length=1)]
 
 
@@ -122,15 +145,35 @@ class CompletionRequest(OpenAIRequest):
 
 
 class WorkersAIRequest(Sampling):
-    """Workers AI's text-generation input: `prompt` or `messages`, never both."""
+    """Workers AI's text-generation input: `prompt` or `messages` (WorkersAIRun)."""
 
-    prompt: Text | None = None
-    messages: list[Message] | None = None
     stream: bool = False
     max_tokens: MaxTokens | None = 256  # Workers AI's documented default
 
-    @model_validator(mode="after")
-    def _prompt_or_messages(self) -> WorkersAIRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of `prompt` or `messages`")
-        return self
+
+class WorkersAIPrompt(WorkersAIRequest):
+    prompt: NonEmptyText
+
+
+class WorkersAIMessages(WorkersAIRequest):
+    messages: Messages
+
+
+# NOTE: pydantic names the chosen member in each error's location, right after `body`.
+RUN_TAGS = ("prompt input", "messages input")
+
+
+def _run_kind(body: Any) -> str | None:
+    if isinstance(body, WorkersAIRequest):
+        return RUN_TAGS[0] if isinstance(body, WorkersAIPrompt) else RUN_TAGS[1]
+    if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+        return None
+    return RUN_TAGS[0] if "prompt" in body else RUN_TAGS[1]
+
+
+# A `oneOf` in the document: exactly one of `prompt` or `messages`, each member strict.
+WorkersAIRun = Annotated[
+    Annotated[WorkersAIPrompt, Tag(RUN_TAGS[0])] | Annotated[WorkersAIMessages, Tag(RUN_TAGS[1])],
+    Discriminator(_run_kind, custom_error_type="prompt_or_messages",
+                  custom_error_message="the body must be an object with exactly one of `prompt` "
+                                       "or `messages`")]

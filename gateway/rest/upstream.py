@@ -3,6 +3,7 @@ own API key and session on every call (so auth, affinity and usage are the gatew
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -15,6 +16,9 @@ from gateway.rest.errors import ShimError
 
 SESSION_HEADER = "x-session-affinity"
 SERVED_HEADER = "x-tessera-served"
+# NOTE: both travel to the gateway as gRPC metadata, so both are bounded here, at the edge.
+MAX_API_KEY_BYTES = 256
+MAX_SESSION_BYTES = 256
 _PRINTABLE = {chr(c) for c in range(0x20, 0x7F)}
 
 
@@ -46,25 +50,35 @@ class Upstream:
             await self._shared.close()
 
 
-def _ascii_header(value: str, what: str) -> str:
-    if not set(value) <= _PRINTABLE:
-        raise ShimError("INVALID_ARGUMENT", f"{what} must be printable ASCII", field=what)
+def bearer_token(headers: Mapping[str, str]) -> str:
+    """The API key; missing or malformed (not printable ASCII, over 256 bytes) is
+    UNAUTHENTICATED, whatever its size."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthenticated("missing `Authorization: Bearer <api key>` header")
+    if len(token) > MAX_API_KEY_BYTES or not set(token) <= _PRINTABLE:
+        raise Unauthenticated(f"malformed API key (printable ASCII, at most "
+                              f"{MAX_API_KEY_BYTES} bytes)")
+    return token
+
+
+def session_id(headers: Mapping[str, str]) -> str | None:
+    value = headers.get(SESSION_HEADER)
+    if not value:
+        return None
+    if len(value) > MAX_SESSION_BYTES or not set(value) <= _PRINTABLE:
+        raise ShimError("INVALID_ARGUMENT", f"{SESSION_HEADER} must be printable ASCII of at "
+                        f"most {MAX_SESSION_BYTES} bytes", field=SESSION_HEADER)
     return value
 
 
 def api_key(request: Request) -> str:
-    """The bearer token; missing or malformed is UNAUTHENTICATED before any parsing."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthenticated("missing `Authorization: Bearer <api key>` header")
-    if not set(token.strip()) <= _PRINTABLE:
-        raise Unauthenticated("malformed API key")
-    return token.strip()
+    return bearer_token(request.headers)
 
 
 def session(request: Request) -> str | None:
-    value = request.headers.get(SESSION_HEADER)
-    return _ascii_header(value, SESSION_HEADER) if value else None
+    return session_id(request.headers)
 
 
 def open_stream(request: Request, upstream: Upstream, *, model: str,

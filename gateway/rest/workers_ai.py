@@ -17,7 +17,7 @@ from gateway.rest.docs import SSE_OK, WORKERS_AI_ERRORS
 from gateway.rest.errors import workers_ai_error_body
 from gateway.rest.openai_api import usage_body
 from gateway.rest.relay import SSE_DONE, SSE_HEADERS, Relay, sse
-from gateway.rest.schemas import Text, WorkersAIRequest
+from gateway.rest.schemas import Text, WorkersAIPrompt, WorkersAIRun
 from gateway.rest.upstream import open_stream, served_header
 from runtime.errors import TesseraError
 
@@ -29,11 +29,15 @@ def envelope(result: dict[str, Any]) -> dict[str, Any]:
 
 
 @router.post("/ai/run/{model:path}", responses={**SSE_OK, **WORKERS_AI_ERRORS})
-async def run_model(request: Request, model: Text, body: WorkersAIRequest) -> Response:
-    messages = None if body.messages is None else [m.as_dict() for m in body.messages]
-    stream = open_stream(request, request.app.state.upstream, model=model, prompt=body.prompt,
-                         messages=messages, sampling=body.sampling())
-    relay = await Relay(stream, request.app.state.stats, "ai.run").start()
+async def run_model(request: Request, model: Text, body: WorkersAIRun) -> Response:
+    upstream = request.app.state.upstream
+    if isinstance(body, WorkersAIPrompt):
+        stream = open_stream(request, upstream, model=model, prompt=body.prompt,
+                             sampling=body.sampling())
+    else:
+        stream = open_stream(request, upstream, model=model, sampling=body.sampling(),
+                             messages=[m.as_dict() for m in body.messages])
+    relay = await Relay(stream, request, "ai.run").start()
     if not body.stream:
         text = await relay.text()
         result = {"response": text, "usage": usage_body(stream),

@@ -3,8 +3,11 @@ Workers-AI-style name with slashes) and the shim on the gateway's event loop, on
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -14,7 +17,8 @@ from tests.gateway.conftest import KEYS, api_keys, pool_config
 
 MODEL = "@cf/tessera/smollm2-135m"
 BODY_LIMIT = 64 << 10
-__all__ = ["KEYS", "MODEL", "Shim"]
+OPERATOR_KEY = "operator-key-for-tests"
+__all__ = ["KEYS", "MODEL", "OPERATOR_KEY", "Shim"]
 
 
 @dataclass
@@ -29,6 +33,38 @@ class Shim:
     def headers(self, tenant: str = "acme", **extra: str) -> dict[str, str]:
         return {"authorization": f"Bearer {KEYS[tenant]}", **extra}
 
+    def worker_statuses(self) -> list[Any]:
+        """Status of every ready worker, read over its unix socket."""
+        from gateway._proto.tessera.v1 import worker_pb2 as wpb
+
+        async def read() -> list[Any]:
+            workers = self.runner.gateway.pools[MODEL].ready()
+            return list(await asyncio.gather(*(w.stub.Status(wpb.StatusRequest(), timeout=10)
+                                               for w in workers)))
+
+        return self.runner.call(read())
+
+    def num_running(self) -> int:
+        return sum(s.num_running for s in self.worker_statuses())
+
+    def workers_idle(self) -> bool:
+        """No request running or waiting in any worker; every page free or only cached."""
+        return all(s.num_running == 0 and s.num_waiting == 0
+                   and s.num_free_pages + s.prefix_cache.evictable_pages == s.num_pages
+                   for s in self.worker_statuses())
+
+    @contextmanager
+    def another_server(self, **options: Any) -> Iterator[RestServer]:
+        """A second shim on the same gateway (no new worker), stopped at the end if the test
+        has not stopped it."""
+        server = RestServer(self.runner.target, port=0, operator_key=OPERATOR_KEY, **options)
+        self.runner.call(server.start())
+        try:
+            yield server
+        finally:
+            if not server.drain.draining:
+                self.runner.call(server.stop(grace_s=0))
+
 
 @pytest.fixture(scope="session")
 def shim() -> Iterator[Shim]:
@@ -36,7 +72,7 @@ def shim() -> Iterator[Shim]:
     runner = GatewayRunner([config], api_keys()).start()
     assert runner.gateway is not None
     server = RestServer(runner.target, port=0, view=GatewayView(runner.gateway, runner.loop),
-                        max_body_bytes=BODY_LIMIT)
+                        max_body_bytes=BODY_LIMIT, operator_key=OPERATOR_KEY)
     runner.call(server.start())
     yield Shim(runner, server)
     runner.call(server.stop())

@@ -99,6 +99,52 @@ def test_non_ascii_session_header_is_400(shim) -> None:
     assert workers_ai_error(r, 400)["reason"] == "INVALID_ARGUMENT"
 
 
+SIZES = (1 << 10, 10 << 10, 100 << 10)
+
+
+def _refusals(shim: Shim, **headers: str) -> set[tuple[int, str, str | None]]:
+    """(status, reason, x-should-retry) of the same request on both route families."""
+    out = set()
+    for path, body in ((CHAT, {"messages": [{"role": "user", "content": "Hi"}]}),
+                       (RUN, {"prompt": "Hi"})):
+        r = httpx.post(shim.url + path, json={**body, "max_tokens": 1}, timeout=60,
+                       headers=headers)
+        error = r.json()["errors"][0] if path == RUN else r.json()["error"]
+        out.add((r.status_code, error["reason"], r.headers.get("x-should-retry")))
+    return out
+
+
+def test_oversize_session_header_is_400_at_every_size(shim) -> None:
+    for size in SIZES:
+        assert _refusals(shim, **shim.headers(), **{"x-session-affinity": "s" * size}) == \
+            {(400, "INVALID_ARGUMENT", None)}, size
+    r = post(shim, CHAT, json={"messages": []}, **{"x-session-affinity": "s" * 300})
+    assert openai_error(r, 400)["param"] == "x-session-affinity"
+
+
+def test_oversize_api_key_is_401_at_every_size(shim) -> None:
+    for size in SIZES:
+        assert _refusals(shim, authorization="Bearer " + "k" * size) == \
+            {(401, "UNAUTHENTICATED", None)}, size
+
+
+def test_oversize_headers_together_are_431_at_every_size(shim) -> None:
+    for size in (40 << 10, 100 << 10, 200 << 10):
+        junk = {f"x-junk-{i}": "j" * 1000 for i in range(size // 1000)}
+        assert _refusals(shim, **shim.headers(), **junk) == \
+            {(431, "REQUEST_HEADER_FIELDS_TOO_LARGE", None)}, size
+
+
+def test_validation_errors_name_fields_but_echo_no_value(shim) -> None:
+    big = "v" * (16 << 10)
+    for body in ({"messages": [{"role": "user", "content": "Hi"}], "n": big},
+                 {"messages": [{"role": big}], big: 1, "stop": [big]},
+                 {"messages": [{"role": "user", "content": big}], "stop": ["s"] * 17}):
+        err = openai_error(post(shim, CHAT, json=body), 400)
+        assert big[:100] not in err["message"] and len(err["message"]) <= 1024
+        assert err["param"] in ("n", "messages.0.content", "stop")
+
+
 def test_server_still_answers_after_bad_input(shim) -> None:
     r = post(shim, RUN, json={"prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["success"] is True

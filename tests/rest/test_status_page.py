@@ -1,5 +1,6 @@
-"""The status endpoint and the status page, the page in headless chromium: it loads, shows the
-live numbers, and a test prompt streams into it. The screenshot is kept as a test artifact."""
+"""The status endpoint, for operators only, and the status page, in headless chromium: it
+loads with the operator key in its URL's fragment, shows the live numbers, and a test prompt
+streams into it. The screenshot is kept as a test artifact."""
 
 from __future__ import annotations
 
@@ -11,16 +12,17 @@ import httpx
 import pytest
 
 from tests.rest.browser import Browser, find_or_install_chromium
-from tests.rest.conftest import KEYS, MODEL
+from tests.rest.conftest import KEYS, MODEL, OPERATOR_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ARTIFACTS = Path(__file__).parent / "artifacts"
+OPERATOR = {"authorization": f"Bearer {OPERATOR_KEY}"}
 
 
 def test_status_reports_workers_pages_tokens_and_reasons(shim) -> None:
     httpx.post(f"{shim.url}/ai/run/{MODEL}", json={"prompt": "Hi", "max_tokens": 2},
                headers=shim.headers(), timeout=60)
-    s = httpx.get(f"{shim.url}/status", timeout=30).json()
+    s = httpx.get(f"{shim.url}/status", headers=OPERATOR, timeout=30).json()
     (pool,) = s["gateway"]["pools"]
     assert pool["model"] == MODEL
     (worker,) = [w for w in pool["workers"] if w["state"] == "ready"]
@@ -29,7 +31,15 @@ def test_status_reports_workers_pages_tokens_and_reasons(shim) -> None:
     assert s["gateway"]["requests_by_reason"]["OK"] >= 1
     assert s["shim"]["requests_by_reason"]["OK"] >= 1
     assert 0.0 <= s["gateway"]["tokens"]["cached_ratio"] <= 1.0
-    assert "acme" not in json.dumps(s), "no tenant names on an unauthenticated page"
+    assert "acme" not in json.dumps(s), "no tenant names, even for operators"
+
+
+def test_status_without_the_operator_key_is_401_and_shows_no_pid(shim) -> None:
+    pids = [str(w.pid) for w in shim.runner.gateway.pools[MODEL].workers.values()]
+    for headers in ({}, shim.headers(), {"authorization": f"Bearer {OPERATOR_KEY}x"}):
+        r = httpx.get(f"{shim.url}/status", headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["reason"] == "UNAUTHENTICATED"
+        assert "pid" not in r.text and not any(pid in r.text for pid in pids)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +53,7 @@ def browser() -> Iterator[Browser]:
 
 
 def test_status_page_shows_live_numbers_and_streams_a_test_prompt(shim, browser) -> None:
-    browser.navigate(f"{shim.url}/")
+    browser.navigate(f"{shim.url}/#key={OPERATOR_KEY}")
     browser.wait_for("Number(document.body.dataset.polls || 0) >= 2")
     cells = browser.wait_for("""(() => { const r = document.querySelector('#workers tr.worker');
         return r && [...r.cells].map(c => c.textContent); })()""")
@@ -66,3 +76,7 @@ def test_status_page_shows_live_numbers_and_streams_a_test_prompt(shim, browser)
     path = browser.screenshot(ARTIFACTS / "status_page.png")
     assert path.stat().st_size > 10_000
     print(f"status page screenshot: {path}")
+
+    browser.navigate(f"{shim.url}/")  # no fragment: no operator key
+    browser.wait_for("document.getElementById('updated').textContent.includes('operator key')")
+    assert not browser.evaluate("document.querySelector('#workers tr.worker')")

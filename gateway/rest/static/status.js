@@ -1,8 +1,10 @@
-// The status page: polls GET /status once a second; streams a test prompt through
-// POST /v1/chat/completions with fetch and a small server-sent-events reader.
+// The status page: polls GET /status once a second with the operator key from the URL's
+// fragment (/#key=...: a fragment never reaches a server or its logs); streams a test prompt
+// through POST /v1/chat/completions with fetch and a small server-sent-events reader.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
+const operatorKey = new URLSearchParams(location.hash.slice(1)).get("key") || "";
 const cell = (v, cls) => `<td${cls ? ` class="${cls}"` : ""}>${escape(v ?? "–")}</td>`;
 const escape = (v) => String(v).replace(/[&<>"]/g, (c) => `&#${c.charCodeAt(0)};`);
 
@@ -43,8 +45,13 @@ function render(s) {
 
 async function poll() {
   try {
-    const r = await fetch("/status", { cache: "no-store" });
-    render(await r.json());
+    const r = await fetch("/status", { cache: "no-store",
+      headers: { authorization: `Bearer ${operatorKey}` } });
+    if (r.status === 401) {
+      $("updated").textContent = "needs the operator key: open this page as /#key=<operator key>";
+    } else {
+      render(await r.json());
+    }
   } catch (e) {
     $("updated").textContent = `status unavailable: ${e}`;
   }
