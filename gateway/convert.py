@@ -61,15 +61,19 @@ def sampling_options(**kwargs: Any) -> pb.SamplingOptions:
     return pb.SamplingOptions(**fields)
 
 
-def chunk_response(out: RequestOutput, first: bool = False) -> pb.GenerateResponse | None:
+def chunk_response(out: RequestOutput, first: bool = False,
+                   served: ServedInfo | None = None) -> pb.GenerateResponse | None:
     """The chunk for one output, or None when it adds nothing. A request's first chunk carries
-    its prompt and cached token counts, so a stream cut short is still billed for them."""
+    its prompt and cached token counts (so a stream cut short is still billed for them) and
+    the served configuration (so every chunk a client relays can name the model)."""
     if not out.delta_text and not out.delta_token_ids:
         return None
     chunk = pb.Chunk(text=out.delta_text, token_ids=out.delta_token_ids)
     if first:
         chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids),
                                       cached_tokens=out.num_cached_tokens))
+        if served is not None:
+            chunk.served.CopyFrom(served.to_proto())
     return pb.GenerateResponse(chunk=chunk)
 
 

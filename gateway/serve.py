@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import os
 import signal
 import sys
 import threading
@@ -122,6 +123,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000,
                    help="REST shim: OpenAI-compatible /v1, Workers-AI-style /ai/run, status at /")
     p.add_argument("--no-http", action="store_true", help="do not start the REST shim")
+    p.add_argument("--operator-key", default=None,
+                   help="opens the status page and /status (else $TESSERA_OPERATOR_KEY, else a "
+                        "random key printed at start)")
     fmts = p.add_argument_group("serving formats, passed to every worker")
     for flag in _FORMAT_FLAGS:
         fmts.add_argument(flag, default=None)
@@ -178,9 +182,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.no_http:
         from gateway.rest.server import serve_rest
 
-        rest = serve_rest(runner, args.host, args.http_port)
-        print(f"REST shim on {rest.url} (OpenAI /v1, Workers AI /ai/run, status page /)",
-              flush=True)
+        operator_key = args.operator_key or os.environ.get("TESSERA_OPERATOR_KEY") or None
+        rest = serve_rest(runner, args.host, args.http_port, operator_key=operator_key)
+        print(f"REST shim on {rest.url} (OpenAI /v1, Workers AI /ai/run); status page: "
+              f"{rest.url}/#key={rest.operator_key}", flush=True)
     if dev_key is not None:
         print(f"dev API key (tenant 'dev'): {dev_key}", flush=True)
         key_hint = dev_key
@@ -196,6 +201,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # protocol's error shape (JSON body, SSE error event) instead of a dropped connection.
     runner.call(runner.drain(args.shutdown_grace_s), timeout_s=args.shutdown_grace_s + 30)
     if rest is not None:
-        runner.call(rest.stop(), timeout_s=30)
+        runner.call(rest.stop(grace_s=5), timeout_s=30)
     runner.stop()
     return 0

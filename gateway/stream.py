@@ -84,6 +84,8 @@ class _StreamState:
 
     def _chunk(self, resp: pb.GenerateResponse) -> Chunk:
         chunk = Chunk(resp.chunk.text, list(resp.chunk.token_ids))
+        if resp.chunk.HasField("served"):
+            self.served = ServedInfo.from_proto(resp.chunk.served)
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         return chunk

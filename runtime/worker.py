@@ -60,7 +60,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     raise out.error
                 if out.finished and out.outputs[0].finish_reason == "abort":
                     raise RequestCancelled("the request was aborted", request_id=rid)
-                chunk = convert.chunk_response(out, first=not sent)
+                chunk = convert.chunk_response(out, first=not sent, served=self.served)
                 if chunk is not None:
                     sent = True
                     yield chunk

@@ -159,3 +159,11 @@ def test_full_pool_raises_rate_limit_with_retry_after(shim, oai) -> None:
         pool.config = config
         for w in pool.workers.values():
             w.max_inflight = config.max_inflight
+
+
+def test_every_chunk_of_a_stream_names_the_model_as_models_list_does(oai) -> None:
+    listed = [m.id for m in oai.models.list().data]
+    chunks = list(oai.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "Say hi."}], max_tokens=5, stream=True))
+    assert len(chunks) >= 3
+    assert {c.model for c in chunks} == {MODEL} and listed == [MODEL]
