@@ -51,7 +51,9 @@ class Tokenizer:
         """With `split_special_tokens`, special-token literals in `text` (e.g. "<|im_end|>")
         are plain text, as in Hugging Face's tokenizers; else they are control tokens."""
         backend = self._text_backend if split_special_tokens else self.backend
-        ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch releases the GIL while it works (encode does not): a long prompt
+        # tokenized in a pool thread must not stall the engine thread's step.
+        ids = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._with_bos(ids) if add_special_tokens else ids
 
     def _with_bos(self, ids: list[int]) -> list[int]:
@@ -77,18 +79,17 @@ class Tokenizer:
                 segments.append((part, j % 2 == 1))
             if i < len(contents):
                 segments.append((contents[i], False))
-        encodings: list[Encoding] = []
-        text = ""
+        runs: list[tuple[str, bool]] = []  # adjacent text segments joined
         for part, special in segments:
-            if not special:
-                text += part
-                continue
-            if text:
-                encodings.append(self._text_backend.encode(text, add_special_tokens=False))
-                text = ""
-            encodings.append(self.backend.encode(part, add_special_tokens=False))
-        if text:
-            encodings.append(self._text_backend.encode(text, add_special_tokens=False))
+            if not special and runs and not runs[-1][1]:
+                runs[-1] = (runs[-1][0] + part, False)
+            elif special or part:
+                runs.append((part, special))
+        texts = iter(self._text_backend.encode_batch(  # batch: it releases the GIL
+            [part for part, special in runs if not special], add_special_tokens=False))
+        encodings: list[Encoding] = [
+            self.backend.encode(part, add_special_tokens=False) if special else next(texts)
+            for part, special in runs]
         if not encodings:
             return self._with_bos([])
         merged = Encoding.merge(encodings, growing_offsets=True)
