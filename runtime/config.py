@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.errors import InvalidArgument, ModelLoadError
@@ -113,7 +113,6 @@ class EngineConfig:
     decode_weights: str = "auto"
     weight_group_size: int = 128
     weight_symmetric: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
