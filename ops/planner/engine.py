@@ -33,17 +33,6 @@ class MemoryReport:
         return out
 
 
-def hf_config(model_config: ModelConfig) -> dict[str, Any]:
-    """The engine's ModelConfig as the config.json fields the planner reads."""
-    c = model_config
-    return {"architectures": [c.architecture], "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": c.num_hidden_layers,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-            "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias}
-
-
 LINEAR_CATEGORIES = ("attention", "dense_mlp", "shared_experts", "routed_experts")
 
 
@@ -60,7 +49,7 @@ def plan_for_engine(model_config: ModelConfig, dtype: str, kv_cache_dtype: str,
     config = PlanConfig(weights=dtype if weights is None else weights.name, dtype=dtype,
                         kv_cache_dtype=canonical_name(kv_cache_dtype),
                         kv_cache_bytes=kv_cache_bytes, page_size=page_size, **extra)
-    return make_plan(parse_config(hf_config(model_config)), config)
+    return make_plan(parse_config(model_config.to_hf_config()), config)
 
 
 def linear_bytes(plan: Plan) -> int:
