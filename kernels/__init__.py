@@ -1,8 +1,10 @@
-"""Attention and KV ops: torch reference twins (CPU path and test oracle); Triton comes later.
+"""Attention and KV ops and the FP8 KV format: torch reference twins (CPU path and test
+oracle); Triton comes later.
 
 Importing this package never needs a GPU.
 """
 
+from kernels.fp8 import FP8_MAX, decode_e4m3_bits, dequantize_fp8_kv, fp8_scale, quantize_fp8_kv
 from kernels.paged_attention import (
     decode_pads_to_longest,
     paged_decode_attention,
@@ -13,9 +15,14 @@ from kernels.paged_attention import (
 from kernels.store_kv import ref_store_kv, store_kv
 
 __all__ = [
+    "FP8_MAX",
+    "decode_e4m3_bits",
     "decode_pads_to_longest",
+    "dequantize_fp8_kv",
+    "fp8_scale",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "quantize_fp8_kv",
     "ref_paged_decode_attention",
     "ref_paged_prefill_attention",
     "ref_store_kv",

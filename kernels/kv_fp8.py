@@ -12,15 +12,12 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_ops import native
-
-_E4M3_TO_F32 = 2.0**120  # e4m3 bits shifted into an fp32 pattern are the value times 2**-120
+from kernels.fp8 import decode_e4m3_bits
 
 
 def ref_gather_e4m3_rows(flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """flat: [rows_total, n] uint8 (e4m3 bytes); rows: [R] long -> [R, n] float32 values."""
-    b = flat.index_select(0, rows).to(torch.int32)
-    bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-    return bits.view(torch.float32) * _E4M3_TO_F32
+    return decode_e4m3_bits(flat.index_select(0, rows))
 
 
 def gather_e4m3_rows(flat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_ops import native
+from kernels.fp8 import quantize_fp8_kv
 
 
 def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
            slot_mapping: torch.Tensor) -> None:
     heads, pages, page_size, dim = cache.shape
     if cache.dtype == torch.uint8:
-        from runtime.quant.fp8 import quantize_fp8_kv  # lazy: kernels import no runtime at load
-
         assert scale is not None and scale.shape == (heads, pages, page_size), "fp8 needs scales"
         q, s = quantize_fp8_kv(x)  # [tokens, heads, dim] e4m3, [tokens, heads] bf16
         x = q.view(torch.uint8)

@@ -120,18 +120,7 @@ def _collapse(modules: set[str]) -> list[str]:
 def _hf_config(ckpt: Checkpoint) -> dict[str, Any]:
     if ckpt.path.is_dir():
         return json.loads((ckpt.path / "config.json").read_text())
-    c = ckpt.config
-    eos = list(c.eos_token_ids)
-    return {"architectures": [c.architecture], "model_type": "llama",
-            "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-            "rope_scaling": c.rope_scaling, "max_position_embeddings": c.max_position_embeddings,
-            "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias,
-            "bos_token_id": c.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
-            "hidden_act": "silu"}
+    return ckpt.config.to_hf_config()
 
 
 def _write_tokenizer(ckpt: Checkpoint, out: Path) -> None:

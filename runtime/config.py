@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.errors import InvalidArgument, ModelLoadError
@@ -89,6 +89,23 @@ class ModelConfig:
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"config.json has a malformed field: {e}") from e
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """This config as a Hugging Face config.json dict (Llama family), which
+        `from_hf_config` reads back to an equal ModelConfig."""
+        eos = list(self.eos_token_ids)
+        return {"architectures": [self.architecture], "model_type": "llama",
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+                "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+                "rope_scaling": self.rope_scaling,
+                "max_position_embeddings": self.max_position_embeddings,
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "attention_bias": self.attention_bias, "bos_token_id": self.bos_token_id,
+                "eos_token_id": eos[0] if len(eos) == 1 else eos, "hidden_act": "silu"}
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -113,7 +130,6 @@ class EngineConfig:
     decode_weights: str = "auto"
     weight_group_size: int = 128
     weight_symmetric: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

@@ -119,8 +119,6 @@ class NoopIntegrityTracker:
         return []
 
 
-IntegrityTracker = TagIntegrityTracker | NoopIntegrityTracker
-
 TRACKERS: dict[str, type[TagIntegrityTracker] | type[NoopIntegrityTracker]] = {
     "tags": TagIntegrityTracker,
     "off": NoopIntegrityTracker,

@@ -9,6 +9,7 @@ from typing import Any
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.errors import InvalidArgument
+from runtime.memory import MemoryFootprint, measure_memory
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -57,12 +58,10 @@ class LLM:
         the engine's own paged path (configured KV format, prefill weights)."""
         return self.engine.prompt_logits(token_ids, tenant)
 
-    def memory_report(self) -> Any:
-        """Weights and KV this engine holds, next to the capacity planner's numbers for the same
-        model, formats and pool (an `ops.planner.engine.MemoryReport`)."""
-        from ops.planner.engine import memory_report
-
-        return memory_report(self.engine)
+    def memory_footprint(self) -> MemoryFootprint:
+        """Weight and KV bytes this engine holds, measured, with the settings that sized them
+        (`ops.planner.engine.memory_report` compares them with the capacity planner)."""
+        return measure_memory(self.engine)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -7,7 +7,7 @@ on CPU; GPU kernels index pages directly and do not care.
 FP8 (e4m3) pages hold the raw bytes as uint8 (index_copy_ and index_select work on them on
 every device) plus one bf16 scale per (token, KV head) in a parallel [kv_heads, pages,
 page_size] tensor: the scale lives beside its page, so a page is moved, verified or freed as
-one unit (see runtime/quant/fp8.py for why per token per head).
+one unit (see kernels/fp8.py for why per token per head).
 """
 
 from __future__ import annotations

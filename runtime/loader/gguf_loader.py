@@ -11,7 +11,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.errors import ModelLoadError
-from runtime.loader import Checkpoint
+from runtime.loader.checkpoint import Checkpoint
 from runtime.tokenizer import Tokenizer
 
 _LAYER_NAMES = {

@@ -11,7 +11,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.errors import ModelLoadError, ModelNotFound
-from runtime.loader import Checkpoint
+from runtime.loader.checkpoint import Checkpoint
 from runtime.loader.quantized import parse_quantization_config
 from runtime.tokenizer import Tokenizer
 

@@ -22,8 +22,6 @@ LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # The same layers under their checkpoint (unfused Hugging Face) names.
 CHECKPOINT_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj")
-MODULES_NOT_QUANTIZED = ("lm_head", "model.embed_tokens", "model.norm", "input_layernorm",
-                         "post_attention_layernorm")
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LinearLike = nn.Linear | Fp8Linear | Int4Linear
 

@@ -1,32 +1,19 @@
-"""FP8 e4m3 for weights (one fp32 scale per output channel) and for KV (one bf16 scale per
-token per KV head).
+"""FP8 e4m3 weights: one fp32 scale per output channel.
 
-Why per token per head for KV: a page is written one token at a time, so a per-page or
-per-tensor scale would have to be known before the page's later tokens exist (or pages
-requantized as they fill); per-token scales are final when the token is written, and outliers
-(a few activations 100x the rest) only cost their own token and head. Stored as bf16 the scale
-costs 2 bytes per head_dim bytes of data: for head_dim 64, 66 bytes vs BF16's 128, 1.94x the
-tokens in the same bytes (>= 1.9 required). Scales are computed from amax, rounded to bf16
-first and the data divided by the rounded scale, then clamped to the e4m3 range, so nothing
-overflows to NaN (e4m3fn has no inf) whatever the activations.
+The scale rule, FP8_MAX and the e4m3 decode are the KV format's (`kernels/fp8.py`): one
+definition, so weights and KV round the same way.
 """
 
 from __future__ import annotations
 
 import torch
 
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-_MIN_SCALE = 1e-12
-
-
-def _safe_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    amax = torch.nan_to_num(amax.float(), nan=0.0, posinf=torch.finfo(torch.float32).max)
-    return (amax / FP8_MAX).clamp(min=_MIN_SCALE).to(dtype)
+from kernels.fp8 import FP8_MAX, fp8_scale
 
 
 def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # w: [out, in] -> (fp8 [out, in], fp32 scales [out])
-    scale = _safe_scale(w.abs().amax(dim=1), torch.float32)
+    scale = fp8_scale(w.abs().amax(dim=1), torch.float32)
     q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
@@ -34,24 +21,3 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def dequantize_fp8_per_channel(q: torch.Tensor, scale: torch.Tensor,
                                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (q.to(torch.float32) * scale[:, None]).to(dtype)
-
-
-def quantize_fp8_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # x: [tokens, heads, dim] -> (fp8 [tokens, heads, dim], bf16 scales [tokens, heads])
-    scale = _safe_scale(x.abs().amax(dim=-1), torch.bfloat16)
-    finite = torch.nan_to_num(x.float(), nan=0.0, posinf=FP8_MAX * 2, neginf=-FP8_MAX * 2)
-    q = (finite / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def dequantize_fp8_kv(q: torch.Tensor, scale: torch.Tensor,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (decode_e4m3_bits(q) * scale.float()[..., None]).to(dtype)
-
-
-def decode_e4m3_bits(q: torch.Tensor) -> torch.Tensor:
-    """e4m3fn -> float32 with integer bit operations: exact for every finite value, and far
-    cheaper than a plain cast on CPU once compiled (the cast is a per-element call)."""
-    b = q.view(torch.uint8).to(torch.int32)
-    bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-    return bits.view(torch.float32) * 2.0**120

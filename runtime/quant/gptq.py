@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from runtime.errors import InvalidArgument
-from runtime.quant.int4 import GROUP_SIZES, best_group_params, quantize_to_codes
+from runtime.formats import INT4_GROUP_SIZES
+from runtime.quant.int4 import best_group_params, quantize_to_codes
 
 
 def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
@@ -27,8 +28,8 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
     """w: [out, in]; hessian: [in, in] (sum of x x^T over calibration inputs) ->
     (codes uint8 [out, in] in 0..15, scales [out, ceil(in/g)], zeros or None). A last group
     shorter than `group_size` is quantized on its own."""
-    if group_size not in GROUP_SIZES:
-        raise InvalidArgument(f"group size must be one of {GROUP_SIZES}, got {group_size}",
+    if group_size not in INT4_GROUP_SIZES:
+        raise InvalidArgument(f"group size must be one of {INT4_GROUP_SIZES}, got {group_size}",
                               field="group_size")
     out_dim, in_dim = w.shape
     if hessian.shape != (in_dim, in_dim):

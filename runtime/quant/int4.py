@@ -18,16 +18,15 @@ from __future__ import annotations
 import torch
 
 from runtime.errors import InvalidArgument
-
-GROUP_SIZES = (32, 64, 128)
+from runtime.formats import INT4_GROUP_SIZES
 
 
 def quantize_int4_groupwise(w: torch.Tensor, group_size: int = 128, symmetric: bool = True,
                             name: str = "weight"
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """w: [out, in] -> (codes uint8 [out, in] in 0..15, scales [out, in/g], zeros or None)."""
-    if group_size not in GROUP_SIZES:
-        raise InvalidArgument(f"group size must be one of {GROUP_SIZES}, got {group_size}",
+    if group_size not in INT4_GROUP_SIZES:
+        raise InvalidArgument(f"group size must be one of {INT4_GROUP_SIZES}, got {group_size}",
                               field="group_size")
     if w.dim() != 2 or w.shape[1] % group_size:
         raise InvalidArgument(f"group size {group_size} does not divide the input dimension "

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.quant.fp8 import decode_e4m3_bits, quantize_fp8_per_channel
+from kernels.fp8 import decode_e4m3_bits
+from runtime.quant.fp8 import quantize_fp8_per_channel
 from runtime.quant.int4 import quantize_int4_groupwise
 
 _KERNEL_BLOCK_N = 64  # rows interleaved per block in torch's CPU int4pack layout (AVX512 build)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import (
+    dequantize_fp8_kv,
     kv_fp8,
     paged_decode_attention,
     paged_prefill_attention,
@@ -15,7 +16,6 @@ from kernels import (
     store_kv,
 )
 from kernels.kv_fp8 import ref_gather_e4m3_rows
-from runtime.quant import dequantize_fp8_kv
 
 HEADS, KV_HEADS, DIM, PAGE = 6, 2, 64, 16
 

@@ -13,6 +13,7 @@ import pytest
 
 from ops.planner.architectures import parse_config
 from ops.planner.cli import run
+from ops.planner.engine import memory_report
 from ops.planner.model import CATEGORIES
 from ops.planner.plan import GIB, PlanConfig, make_plan
 from runtime.errors import InvalidArgument
@@ -289,7 +290,7 @@ def test_tessera_plan_prints_a_table_and_imports_no_torch():
 
 @pytest.mark.slow
 def test_planned_bytes_equal_what_the_engine_allocates(llm):
-    report = llm.memory_report()
+    report = memory_report(llm.memory_footprint())
     assert within(report.planned_weight_bytes, report.weight_bytes, 0.02)
     assert within(report.planned_kv_bytes_per_token, report.kv_bytes_per_token, 0.02)
     assert within(report.planned_kv_capacity_tokens, report.kv_capacity_tokens, 0.02)

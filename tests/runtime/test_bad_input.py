@@ -284,25 +284,12 @@ def test_truncated_gguf_is_a_model_load_error(tmp_path, default_model_path):
         load(bad)
 
 
-def hf_config(llm) -> dict[str, Any]:
-    c = llm.engine.model_config
-    return {"architectures": [c.architecture], "model_type": "llama",
-            "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-            "max_position_embeddings": c.max_position_embeddings,
-            "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
-            "eos_token_id": list(c.eos_token_ids)}
-
-
 @pytest.fixture
 def hf_dir(tmp_path, llm) -> Path:
     """A Hugging Face directory with a valid config and tokenizer, weights to be written."""
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(hf_config(llm)))
+    (folder / "config.json").write_text(json.dumps(llm.engine.model_config.to_hf_config()))
     llm.tokenizer.backend.save(str(folder / "tokenizer.json"))
     return folder
 

@@ -8,6 +8,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
+from ops.planner.engine import memory_report
 from runtime import LLM, SamplingParams
 from tests.helpers import capture_logits
 
@@ -28,7 +29,7 @@ def text_ids(llm):
 
 
 def test_fp8_engine_allocates_what_it_reports(fp8_llm):
-    report = fp8_llm.memory_report()
+    report = memory_report(fp8_llm.memory_footprint())
     assert report.kv_bytes_per_token == report.planned_kv_bytes_per_token == 30 * 2 * 3 * 66
     assert report.kv_capacity_tokens == fp8_llm.kv_capacity_tokens
     assert report.kv_capacity_tokens == report.planned_kv_capacity_tokens

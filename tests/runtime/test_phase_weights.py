@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ops.planner.engine import memory_report
 from runtime import LLM, SamplingParams
 from runtime.errors import InvalidArgument
 from runtime.quant.linear import Int4Linear
@@ -50,7 +51,7 @@ def test_both_phase_models_are_resident_and_share_all_but_the_linear_layers(spli
     assert isinstance(pre.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
     assert dec.model.embed_tokens.weight is pre.model.embed_tokens.weight
     assert dec.model.layers[3].input_layernorm.weight is pre.model.layers[3].input_layernorm.weight
-    report = split_llm.memory_report()
+    report = memory_report(split_llm.memory_footprint())
     assert report.weight_bytes == report.planned_weight_bytes
     assert report.weight_bytes > sum(p.numel() * p.element_size() for p in pre.parameters())
 
