@@ -1,5 +1,5 @@
 // Write new tokens' K or V rows into their page slots in one pass: a cast for fp32 / bf16 /
-// fp16 pages, and for e4m3 pages the same quantization as `runtime.quant.fp8.quantize_fp8_kv`
+// fp16 pages, and for e4m3 pages the same quantization as `kernels.fp8.quantize_fp8_kv`
 // (bf16 scale = amax / 448 rounded to nearest even, floored at 1e-12; NaN -> 0, +-inf -> +-896
 // before dividing by the rounded scale; clamp to +-448; round to nearest even), bit for bit.
 #include <ATen/ATen.h>
