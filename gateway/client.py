@@ -20,11 +20,14 @@ from typing_extensions import Unpack
 
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import gateway_pb2_grpc
-from gateway.convert import ServedInfo, sampling_options  # noqa: F401
 from gateway.errors import (  # noqa: F401  (re-exported: the SDK's exception classes)
     REASONS,
+    DeadlineExceeded,
+    Overloaded,
     PermissionDenied,
     Unauthenticated,
+    Unavailable,
+    WorkerLost,
     from_rpc_error,
 )
 from gateway.stream import (  # noqa: F401  (re-exported)
@@ -37,21 +40,16 @@ from gateway.stream import (  # noqa: F401  (re-exported)
     Stream,
     Usage,
 )
+from gateway.wire import SESSION_HEADER, ServedInfo, sampling_options  # noqa: F401
 from runtime.errors import (  # noqa: F401
     ContextLengthExceeded,
-    DeadlineExceeded,
     InvalidArgument,
     KVIntegrityViolation,
     ModelNotFound,
-    Overloaded,
     RequestCancelled,
     TenantQuotaExceeded,
     TesseraError,
-    Unavailable,
-    WorkerLost,
 )
-
-SESSION_KEY = "x-session-affinity"
 
 
 class _ClientBase:
@@ -61,7 +59,7 @@ class _ClientBase:
         self.timeout_s = timeout_s
 
     def _metadata(self, session: str | None) -> tuple[tuple[str, str], ...]:
-        return (self._auth,) if session is None else (self._auth, (SESSION_KEY, session))
+        return (self._auth,) if session is None else (self._auth, (SESSION_HEADER, session))
 
     @staticmethod
     def _generate_request(prompt: str | list[int], model: str, sampling: Sampling,

@@ -16,20 +16,34 @@ from grpc_status import rpc_status
 
 from runtime.errors import (
     ContextLengthExceeded,
-    DeadlineExceeded,
     InvalidArgument,
     KVIntegrityViolation,
     ModelLoadError,
     ModelNotFound,
-    Overloaded,
     RequestCancelled,
     TenantQuotaExceeded,
     TesseraError,
-    Unavailable,
-    WorkerLost,
 )
 
 DOMAIN = "tessera"
+
+
+class WorkerLost(TesseraError):
+    reason = "WORKER_LOST"
+    retryable = True
+
+class Unavailable(TesseraError):
+    """The server is shutting down (or not yet up): retry against another replica."""
+
+    reason = "UNAVAILABLE"
+    retryable = True
+
+class Overloaded(TesseraError):
+    reason = "OVERLOADED"
+    retryable = True
+
+class DeadlineExceeded(TesseraError):
+    reason = "DEADLINE_EXCEEDED"
 
 
 class Unauthenticated(TesseraError):

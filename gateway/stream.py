@@ -13,8 +13,8 @@ import grpc
 from typing_extensions import TypedDict
 
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
-from gateway.convert import ServedInfo
 from gateway.errors import from_rpc_error, retry_delay_s
+from gateway.wire import ServedInfo
 from runtime.errors import RequestCancelled, TesseraError
 
 

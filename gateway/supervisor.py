@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from gateway import metrics
+from gateway.errors import DeadlineExceeded, Overloaded, WorkerLost
 from gateway.logs import get_logger
 from gateway.router import Router
 from gateway.worker_handle import WorkerHandle
-from runtime.errors import DeadlineExceeded, InvalidArgument, Overloaded, WorkerLost
+from runtime.errors import InvalidArgument
 
 log = get_logger("tessera.supervisor")
 # The checkout holding runtime/ and gateway/: workers import from it whatever their cwd.
@@ -216,7 +217,7 @@ class WorkerPool:
         return worker
 
     def _command(self, worker: WorkerHandle) -> list[str]:
-        cmd = [sys.executable, "-m", "runtime.worker", "--socket", worker.socket_path,
+        cmd = [sys.executable, "-m", "gateway.worker", "--socket", worker.socket_path,
                "--worker-id", worker.id, "--served-model-name", self.config.model_id,
                "--kv-cache-bytes", str(self.config.kv_cache_bytes),
                "--max-num-seqs", str(self.config.max_inflight)]

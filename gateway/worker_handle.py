@@ -12,8 +12,8 @@ import grpc
 
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
-from gateway.convert import ServedInfo
-from runtime.errors import WorkerLost
+from gateway.errors import WorkerLost
+from gateway.wire import ServedInfo
 
 
 class WorkerHandle:

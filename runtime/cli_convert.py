@@ -2,7 +2,7 @@
 projections are FP8 or INT4 (packed, with scales), described by config.json's
 `quantization_config`, which the loader reads back without re-quantizing.
 
-    python -m runtime.cli_convert --weights int4 --group-size 128 SRC DST
+    tessera convert --weights int4 --group-size 128 SRC DST
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from runtime.errors import InvalidArgument, TesseraError
-from runtime.formats import WeightFormat
+from runtime.formats import INT4_GROUP_SIZES, WeightFormat
 from runtime.loader import Checkpoint, open_checkpoint
 from runtime.loader.quantized import quantization_config
 from runtime.models.llama import map_checkpoint_name
@@ -143,12 +143,15 @@ def _size(path: Path) -> int:
 
 
 def add_convert_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("convert", help="write a checkpoint with fp8 or int4 projections")
+    p = subparsers.add_parser("convert", help="write a checkpoint with fp8 or int4 projections",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("src", nargs="?", default=None,
                    help="GGUF file or HF safetensors directory (default: the embedded SmolLM2)")
     p.add_argument("dst", help="new directory for the converted checkpoint")
-    p.add_argument("--weights", required=True, choices=["int4", "fp8"])
-    p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
+    p.add_argument("--weights", required=True, choices=["int4", "fp8"],
+                   help="format of the projections")
+    p.add_argument("--group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES),
+                   help="int4 group size")
     p.add_argument("--asymmetric", action="store_true", help="int4 with a zero point per group")
     p.add_argument("--dtype", default="auto", choices=list(_DTYPES),
                    help="dtype of unquantized tensors (default: as in a safetensors source, "

@@ -25,6 +25,7 @@ from runtime.loader import Checkpoint, open_checkpoint
 from runtime.model_runner import ModelRunner
 from runtime.models import model_class
 from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.request_state import RequestState
 from runtime.sampler import Sampler
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig
@@ -198,11 +199,10 @@ class LLMEngine:
         max_tokens = self._resolve_max_tokens(len(ids), params.max_tokens, tenant)
         seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text, max_tokens=max_tokens)
         seq.shared_namespace, seq.shared_pages = self._shared_prefix_for(tenant, ids)
-        seq.extra["detok"] = IncrementalDetokenizer(
-            self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens)
-        if params.seed is not None:
-            seq.extra["generator"] = torch.Generator().manual_seed(params.seed)
+        seq.state = RequestState(
+            IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                   params.include_stop_str_in_output, params.skip_special_tokens),
+            None if params.seed is None else torch.Generator().manual_seed(params.seed))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -241,7 +241,7 @@ class LLMEngine:
         seq = self.add_request(rid, list(token_ids), SamplingParams(max_tokens=1), tenant)
         seq.reuse_prefix = False
         sink: list[torch.Tensor] = []
-        seq.extra["prompt_logits"] = sink
+        _state(seq).prompt_logits = sink
         try:
             while rid in self.requests:
                 for out in self.step():
@@ -306,23 +306,28 @@ class LLMEngine:
             sampled = self.sampler(
                 logits, [s.seq.params for s in samplers],
                 [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in samplers],
-                [s.seq.extra.get("generator") for s in samplers])
+                [_state(s.seq).generator for s in samplers])
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step failed; failing its %d requests", len(batch.scheduled))
             err = TesseraError(f"internal error during step: {type(e).__name__}")
             return [o for s in batch.scheduled if (o := self.abort_request(s.seq.request_id, err))]
-        for item in batch.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.scheduler.cache_full_pages(item.seq)
-        outputs = failed
+        finished = []
         for item, token, lp in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
             seq = item.seq
             seq.output_token_ids.append(token)
             if lp is not None:
-                seq.extra.setdefault("logprobs", []).append(lp)
-            self._check_finish(seq, token)
-            outputs.append(self._output(seq, new_tokens=[token]))
-        return outputs
+                state = _state(seq)
+                if state.logprobs is None:
+                    state.logprobs = []
+                state.logprobs.append(lp)
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason is not None:
+                finished.append(seq)
+        self.scheduler.postprocess(batch, finished)
+        for seq in finished:
+            self.requests.pop(seq.request_id, None)
+        return failed + [self._output(item.seq, new_tokens=[token])
+                         for item, token in zip(samplers, sampled.token_ids, strict=True)]
 
     def _abort_violations(self, violations: list[Violation]) -> list[RequestOutput]:
         """Fail closed: end each affected sequence before anything reads its pages."""
@@ -340,20 +345,22 @@ class LLMEngine:
                 outs.append(out)
         return outs
 
-    def _check_finish(self, seq: Sequence, token: int) -> None:
-        detok: IncrementalDetokenizer = seq.extra["detok"]
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Whether the token just sampled ends the sequence ("stop", "length"), or None."""
+        detok = _state(seq).detok
         detok.add_token(token)
         p = seq.params
         if token in p.stop_token_ids:
             seq.stop_reason = token
-            self._finish(seq, "stop")
-        elif token in self.eos_ids and not p.ignore_eos:
-            self._finish(seq, "stop")
-        elif detok.stopped_on is not None:
+            return "stop"
+        if token in self.eos_ids and not p.ignore_eos:
+            return "stop"
+        if detok.stopped_on is not None:
             seq.stop_reason = detok.stopped_on
-            self._finish(seq, "stop")
-        elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length")
+            return "stop"
+        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -361,12 +368,18 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, new_tokens: list[int] | None = None) -> RequestOutput:
-        detok: IncrementalDetokenizer = seq.extra["detok"]
+        state = _state(seq)
+        detok = state.detok
         finished = seq.is_finished
         delta = detok.flush(finished)
         completion = CompletionOutput(0, detok.text if finished else detok.text[: detok.emitted],
                                       list(seq.output_token_ids), seq.finish_reason,
-                                      seq.stop_reason, seq.extra.get("logprobs"))
+                                      seq.stop_reason, state.logprobs)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
                              finished, seq.num_cached_tokens, seq.error, delta,
                              list(new_tokens or []))
+
+
+def _state(seq: Sequence) -> RequestState:
+    assert seq.state is not None, "admitted sequences carry their engine state"
+    return seq.state

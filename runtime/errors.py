@@ -49,11 +49,6 @@ class ModelLoadError(TesseraError):
     reason = "MODEL_LOAD_FAILED"
 
 
-class Overloaded(TesseraError):
-    reason = "OVERLOADED"
-    retryable = True
-
-
 class TenantQuotaExceeded(TesseraError):
     """Raised for a request that alone needs more KV than its tenant may hold: never retryable.
     (Within the quota, a tenant's requests wait instead.)"""
@@ -67,19 +62,3 @@ class KVIntegrityViolation(TesseraError):
 
 class RequestCancelled(TesseraError):
     reason = "CANCELLED"
-
-
-class DeadlineExceeded(TesseraError):
-    reason = "DEADLINE_EXCEEDED"
-
-
-class WorkerLost(TesseraError):
-    reason = "WORKER_LOST"
-    retryable = True
-
-
-class Unavailable(TesseraError):
-    """The server is shutting down (or not yet up): retry against another replica."""
-
-    reason = "UNAVAILABLE"
-    retryable = True

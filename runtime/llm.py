@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -39,6 +40,14 @@ class LLM:
                               weight_symmetric=weight_symmetric)
         self.engine = LLMEngine.from_path(model, config)
         self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, model: str | None, config: EngineConfig) -> LLM:
+        """An LLM over an engine built from a full EngineConfig (the command line's path)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine.from_path(model, config)
+        llm._ids = itertools.count()
+        return llm
 
     @property
     def tokenizer(self) -> Any:
@@ -80,15 +89,32 @@ class LLM:
                 raise InvalidArgument(f"{len(params_list)} sampling params for "
                                       f"{len(prompts)} prompts", field="sampling_params")
         # Validate everything before anything runs: a bad prompt fails the call, not the batch.
-        for i, p in enumerate(prompts):
-            _, ids = self.engine.tokenize_prompt(p)
-            if not ids:
+        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
+        for i, (_, token_ids) in enumerate(tokenized):
+            if not token_ids:
                 raise InvalidArgument(f"prompt {i} is empty", field="prompt")
-        ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        order = {rid: i for i, rid in enumerate(ids)}
-        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.engine.add_request(rid, prompt, p, tenant=tenant)
+        rids = [f"offline-{next(self._ids)}" for _ in prompts]
+        order = {rid: i for i, rid in enumerate(rids)}
+        for rid, (text, token_ids), p in zip(rids, tokenized, params_list, strict=True):
+            self.engine.add_request(rid, token_ids, p, tenant=tenant, prompt_text=text)
         return self._run(order)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+               tenant: str = "default") -> Iterator[RequestOutput]:
+        """One request's outputs as it decodes (`delta_text`: the text each adds); closing the
+        iterator early (or Ctrl-C while it runs) aborts the request and frees its pages."""
+        rid = f"stream-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, sampling_params or SamplingParams(), tenant=tenant)
+        try:
+            while rid in self.engine.requests:
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    if out.error is not None:
+                        raise out.error
+                    yield out
+        finally:
+            self.engine.abort_request(rid)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, *,

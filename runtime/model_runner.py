@@ -79,7 +79,7 @@ class ModelRunner:
         with forward_context(ForwardContext(meta, self.kv_cache)):
             hidden = model(ids_t, pos_t)
         for item, piece in zip(prefills, meta.prefills, strict=True):
-            sink = item.seq.extra.get("prompt_logits")
+            sink = None if item.seq.state is None else item.seq.state.prompt_logits
             if sink is not None:  # teacher-forced scoring: every position's next-token logits
                 sink.append(model.compute_logits(hidden[piece.start : piece.end]).float())
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

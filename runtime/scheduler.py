@@ -207,6 +207,15 @@ class Scheduler:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = len(hits) * self.pool.page_size
 
+    def postprocess(self, batch: SchedulerOutput, finished: list[Sequence]) -> None:
+        """After the forward pass: every scheduled sequence's new tokens have KV (full pages go
+        to the prefix cache), then the sequences that finished release their pages."""
+        for item in batch.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.cache_full_pages(item.seq)
+        for seq in finished:
+            self.finish(seq)
+
     def cache_full_pages(self, seq: Sequence) -> None:
         """After a step: index the sequence's newly completed pages in the prefix cache."""
         if self.prefix_cache is None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runtime.errors import TesseraError
 from runtime.kv.pages import PageRef
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine's side of a request; the scheduler never reads it
+    from runtime.request_state import RequestState
 
 _arrival_counter = itertools.count()
 
@@ -50,8 +53,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: TesseraError | None = None
-    # Engine-side helpers (detokenizer, sampler generator) live here, opaque to the scheduler.
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The engine's per-request state (detokenizer, generator, logprobs), set at admission.
+    state: RequestState | None = None
     # Most output tokens: params.max_tokens when set (0 here), else what the engine resolved.
     max_tokens: int = 0
 

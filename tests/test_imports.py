@@ -11,36 +11,15 @@ from tests.import_graph import Violation, find_violations
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The edges that still break the rule today, as (importing module, imported module). Exact:
-# an edge missing from the tree fails too, so the list shrinks as the moves land.
-PENDING = {
-    ("runtime.worker", "gateway.convert"),  # issue 13: moves with the worker
-    ("runtime.worker", "gateway.errors"),  # issue 13: moves with the worker
-    ("runtime.worker", "gateway.logs"),  # issue 13: moves with the worker
-    ("runtime.worker", "gateway._proto.tessera.v1.gateway_pb2"),  # issue 13: moves with the worker
-    ("runtime.worker", "gateway._proto.tessera.v1.worker_pb2"),  # issue 13: moves with the worker
-    ("runtime.worker",
-     "gateway._proto.tessera.v1.worker_pb2_grpc"),  # issue 13: moves with the worker
-    ("runtime.cli", "ops.planner.cli"),  # issue 13: moves with the command
-    ("runtime.cli", "gateway.serve"),  # issue 13: moves with the command
-    ("gateway.serve", "gateway.rest.server"),  # issue 13: moves with the command
-    ("gateway.rest.server", "gateway.serve"),  # issue 13: moves with the command
-}
-
 
 @pytest.fixture(scope="module")
 def violations() -> list[Violation]:
     return find_violations(REPO)
 
 
-def test_no_import_goes_up_a_floor_or_round_a_cycle_but_the_pending_ones(violations):
-    new = [str(v) for v in violations if v.edge.pair not in PENDING]
-    assert not new, "imports that break the one-way rule:\n" + "\n".join(new)
-
-
-def test_every_pending_edge_still_exists(violations):
-    gone = PENDING - {v.edge.pair for v in violations}
-    assert not gone, f"no longer in the tree, remove from PENDING: {sorted(gone)}"
+def test_no_import_goes_up_a_floor_or_rounds_a_cycle(violations):
+    assert not violations, "imports that break the one-way rule:\n" + "\n".join(
+        str(v) for v in violations)
 
 
 def write(root: Path, files: dict[str, str]) -> None:

@@ -4,7 +4,7 @@ through the SDK, with a status page at `/` (see gateway.rest.app)."""
 from __future__ import annotations
 
 from gateway.rest.app import build_app
-from gateway.rest.server import RestServer
+from gateway.rest.http_server import RestServer
 from gateway.rest.status import GatewayView, ShimStats
 from gateway.rest.upstream import Upstream
 

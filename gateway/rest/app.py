@@ -28,7 +28,8 @@ from gateway.rest.guard import (
 )
 from gateway.rest.schemas import RUN_TAGS
 from gateway.rest.status import GatewayView, ShimStats
-from gateway.rest.upstream import MAX_API_KEY_BYTES, MAX_SESSION_BYTES, Upstream
+from gateway.rest.upstream import MAX_API_KEY_BYTES, Upstream
+from gateway.wire import MAX_NAME_BYTES
 from runtime.errors import TesseraError, bounded
 
 STATIC = Path(__file__).parent / "static"
@@ -38,7 +39,7 @@ DESCRIPTION = f"""OpenAI-compatible and Workers-AI-style HTTP APIs of tessera, a
 gRPC gateway: `Authorization: Bearer <api key>` and `x-session-affinity` pass through.
 
 Headers: the API key and `x-session-affinity` are printable ASCII of at most
-{MAX_API_KEY_BYTES} and {MAX_SESSION_BYTES} bytes (else 401 and 400), and all headers together
+{MAX_API_KEY_BYTES} and {MAX_NAME_BYTES} bytes (else 401 and 400), and all headers together
 at most {MAX_HEADER_BYTES} bytes (else 431). Bodies are JSON whatever their content-type, at
 most the size limit (else 413), and must keep arriving (408 after {BODY_TIMEOUT_S:g} s without
 a byte, by default). Bodies are strict: unknown fields and mistyped values are refused with 400

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from runtime.errors import Unavailable
+from gateway.errors import Unavailable
 
 RETRY_AFTER_S = 1
 

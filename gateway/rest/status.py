@@ -13,7 +13,7 @@ from gateway._proto.tessera.v1 import worker_pb2 as wpb
 
 if TYPE_CHECKING:
     from gateway.client import Usage
-    from gateway.server import Gateway
+    from gateway.grpc_server import Gateway
     from gateway.supervisor import WorkerPool
     from gateway.worker_handle import WorkerHandle
 

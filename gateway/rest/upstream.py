@@ -10,15 +10,13 @@ from starlette.requests import Request
 
 from gateway.client import NO_RETRY, AsyncClient, AsyncStream, RetryPolicy
 from gateway.client import _ClientBase as ClientBase
-from gateway.convert import ServedInfo
 from gateway.errors import Unauthenticated
 from gateway.rest.errors import ShimError
+from gateway.wire import MAX_NAME_BYTES, SESSION_HEADER, ServedInfo
 
-SESSION_HEADER = "x-session-affinity"
 SERVED_HEADER = "x-tessera-served"
 # NOTE: both travel to the gateway as gRPC metadata, so both are bounded here, at the edge.
 MAX_API_KEY_BYTES = 256
-MAX_SESSION_BYTES = 256
 _PRINTABLE = {chr(c) for c in range(0x20, 0x7F)}
 
 
@@ -67,9 +65,9 @@ def session_id(headers: Mapping[str, str]) -> str | None:
     value = headers.get(SESSION_HEADER)
     if not value:
         return None
-    if len(value) > MAX_SESSION_BYTES or not set(value) <= _PRINTABLE:
+    if len(value) > MAX_NAME_BYTES or not set(value) <= _PRINTABLE:
         raise ShimError("INVALID_ARGUMENT", f"{SESSION_HEADER} must be printable ASCII of at "
-                        f"most {MAX_SESSION_BYTES} bytes", field=SESSION_HEADER)
+                        f"most {MAX_NAME_BYTES} bytes", field=SESSION_HEADER)
     return value
 
 

@@ -19,7 +19,7 @@ import time
 
 from gateway.auth import ApiKeys
 from gateway.client import Client
-from gateway.serve import GatewayRunner
+from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
 
 KEY = "bench-key"

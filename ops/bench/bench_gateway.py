@@ -25,7 +25,7 @@ from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.auth import ApiKeys
 from gateway.client import Client
-from gateway.serve import GatewayRunner
+from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
 
 PROMPT = "The capital of France is"

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from gateway.auth import ApiKeys
-from gateway.serve import GatewayRunner
+from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
 
 MODEL = "smollm2"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.client import Client
-from gateway.serve import GatewayRunner
+from gateway.runner import GatewayRunner
 from tests.gateway.conftest import KEYS, MODEL, api_keys, pool_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.client import NO_RETRY, Client, InvalidArgument, ModelNotFound
 from gateway.errors import from_rpc_error
-from gateway.server import MAX_NAME_BYTES, MAX_PROMPT_BYTES, session_key
+from gateway.grpc_server import MAX_NAME_BYTES, MAX_PROMPT_BYTES, session_key
 from tests.gateway.conftest import KEYS, requests_drained, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.auth import ApiKeys
 from gateway.client import NO_RETRY, Client, WorkerLost
-from gateway.serve import GatewayRunner
+from gateway.runner import GatewayRunner
 from tests.gateway.conftest import MODEL, pool_config, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

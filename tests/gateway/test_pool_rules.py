@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from gateway.errors import Overloaded
 from gateway.supervisor import PoolConfig, WorkerPool
-from runtime.errors import Overloaded
 
 
 class StandIn:

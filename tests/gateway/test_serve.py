@@ -1,24 +1,99 @@
-"""`tessera serve` flags: defaults from the issue, serving formats passed on to workers."""
+"""One definition of the engine flags: every one is accepted, with the same meaning, by
+`tessera generate`, `chat`, `serve` and the worker; `serve` hands the ones a user set to its
+workers; every option of every subcommand says what it does and its default."""
 
 from __future__ import annotations
 
 import argparse
 
-from gateway.serve import _worker_format_args, add_serve_parser
+import pytest
+
+from gateway.serve import worker_args
+from gateway.worker import parse_args as parse_worker
+from ops.cli import build_parser
+from runtime.engine_flags import FLAGS, Flag
+
+# A value other than the default for each flag (switches are simply given).
+SAMPLES = {"model": "/models/x", "dtype": "bfloat16", "kv-cache-bytes": "123456",
+           "max-model-len": "777", "max-num-seqs": "5", "max-num-batched-tokens": "256",
+           "tenant-page-quota": "0.5", "integrity": "off", "kv-cache-dtype": "fp8",
+           "prefill-kv-cache-dtype": "bf16", "prefill-weights": "fp8",
+           "decode-weights": "int4", "weight-group-size": "64", "serving-config": "/x.json"}
+SERVE_EXCLUDES = ("max-num-seqs",)  # serve sizes workers with --max-inflight
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_serve_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["serve", *argv])
+def _argv(flags: list[Flag]) -> list[str]:
+    out: list[str] = []
+    for f in flags:
+        out += [f"--{f.name}"] if f.switch else [f"--{f.name}", SAMPLES[f.name]]
+    return out
 
 
-def test_defaults_bind_loopback_on_50051() -> None:
-    args = parse()
-    assert (args.host, args.grpc_port, args.api_keys) == ("127.0.0.1", 50051, None)
-    assert _worker_format_args(args) == ()
+def _values(args: argparse.Namespace, flags: list[Flag]) -> dict[str, object]:
+    return {f.dest: getattr(args, f.dest) for f in flags}
 
 
-def test_serving_formats_reach_the_worker_command_line() -> None:
-    args = parse("--kv-cache-dtype", "fp8", "--decode-weights", "int4")
-    assert _worker_format_args(args) == ("--kv-cache-dtype", "fp8", "--decode-weights", "int4")
+def test_every_flag_has_a_sample_here() -> None:
+    assert {f.name for f in FLAGS if not f.switch} == set(SAMPLES)
+
+
+def test_every_engine_flag_means_the_same_to_generate_chat_serve_and_the_worker() -> None:
+    parser = build_parser()
+    flags = list(FLAGS)
+    generate = parser.parse_args(["generate", "hi", *_argv(flags)])
+    chat = parser.parse_args(["chat", *_argv(flags)])
+    worker = parse_worker(["--socket", "/tmp/s", *_argv(flags)])
+    served = [f for f in flags if f.name not in SERVE_EXCLUDES]
+    serve = parser.parse_args(["serve", *_argv(served)])
+    expected = _values(generate, flags)
+    assert _values(chat, flags) == expected == _values(worker, flags)
+    assert _values(serve, served) == _values(generate, served)
+
+
+def test_serve_hands_the_flags_a_user_set_to_each_worker() -> None:
+    parser = build_parser()
+    served = [f for f in FLAGS if f.name not in (*SERVE_EXCLUDES, "model", "kv-cache-bytes")]
+    serve = parser.parse_args(["serve", *_argv(served)])
+    worker = parse_worker(["--socket", "/tmp/s", *worker_args(serve)])
+    assert _values(worker, served) == _values(serve, served)
+    assert worker_args(parser.parse_args(["serve"])) == ()
+
+
+def test_serve_defaults_bind_loopback_on_50051() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.grpc_port, args.http_port, args.api_keys) == (
+        "127.0.0.1", 50051, 8000, None)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "convert", "serve"])
+def test_every_option_says_what_it_does_and_its_default(command) -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    cmd = sub.choices[command]
+    options = [a for a in cmd._actions if a.option_strings and a.dest != "help"]
+    assert options
+    undocumented = [a.option_strings[0] for a in options if not a.help]
+    assert undocumented == []
+    text = cmd.format_help()
+    assert text.count("(default:") >= len(options) - sum(a.required for a in options)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_serve_with_weight_group_size_64_serves_int4_g64() -> None:
+    from gateway.client import Client
+    from gateway.runner import GatewayRunner
+    from tests.gateway.conftest import KEYS, MODEL, api_keys, pool_config
+
+    args = build_parser().parse_args(["serve", "--weight-group-size", "64",
+                                      "--decode-weights", "int4"])
+    runner = GatewayRunner([pool_config(max_workers=1, worker_args=worker_args(args))],
+                           api_keys()).start()
+    try:
+        with Client(runner.target, api_key=KEYS["acme"]) as client:
+            stream = client.generate("The capital of France is", model=MODEL, max_tokens=4)
+            list(stream)
+        assert stream.served.decode_weights == "int4-g64"
+        assert stream.served.prefill_weights == "fp32"
+    finally:
+        runner.stop()

@@ -57,7 +57,7 @@ class Served:
         keys.write_text(f"{KEY}=tenant\n")
         env = {**os.environ, "TMPDIR": str(tmp), "TESSERA_TEST_MARK": self.mark}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime", "serve", "--grpc-port", str(self.grpc_port),
+            [sys.executable, "-m", "ops.cli", "serve", "--grpc-port", str(self.grpc_port),
              "--http-port", str(self.http_port), "--api-keys", str(keys),
              "--kv-cache-bytes", str(64 << 20), "--shutdown-grace-s", str(grace_s)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

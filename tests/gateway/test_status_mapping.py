@@ -7,9 +7,9 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from gateway.errors import DOMAIN, REASONS, to_status
+from gateway.errors import DOMAIN, REASONS, Overloaded, WorkerLost, to_status
 from gateway.stream import RetryPolicy
-from runtime.errors import InvalidArgument, Overloaded, WorkerLost
+from runtime.errors import InvalidArgument
 
 EXPECTED_CODES = {
     "KV_INTEGRITY_VIOLATION": grpc.StatusCode.ABORTED,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import convert
+from gateway import wire
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway.client import NO_RETRY, Client, ContextLengthExceeded, InvalidArgument
 from tests.gateway.conftest import KEYS
@@ -31,8 +31,8 @@ def tokenizer():
 
 
 def test_unset_max_tokens_on_the_wire_is_unset_in_the_engine_not_16() -> None:
-    assert convert.sampling_params(pb.SamplingOptions()).max_tokens is None
-    assert convert.sampling_params(pb.SamplingOptions(max_tokens=7)).max_tokens == 7
+    assert wire.sampling_params(pb.SamplingOptions()).max_tokens is None
+    assert wire.sampling_params(pb.SamplingOptions(max_tokens=7)).max_tokens == 7
 
 
 @pytest.mark.parametrize("role", ["system", "user", "assistant"])

@@ -277,7 +277,7 @@ def test_cli_reports_bad_input_with_the_field_and_exit_code_2(tmp_path):
 
 
 def test_tessera_plan_prints_a_table_and_imports_no_torch():
-    code = ("import sys, runtime.cli as c; rc = c.main(['plan', sys.argv[1], "
+    code = ("import sys, ops.cli as c; rc = c.main(['plan', sys.argv[1], "
             "'--device-memory-gb', '141', '--tp', '8', '--weights', 'int4', "
             "'--kv-cache-dtype', 'fp8']); assert 'torch' not in sys.modules; sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, str(CONFIGS / "glm5.json")],

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gateway.rest import GatewayView, RestServer
-from gateway.serve import GatewayRunner
+from gateway.runner import GatewayRunner
 from tests.gateway.conftest import KEYS, api_keys, pool_config
 
 MODEL = "@cf/tessera/smollm2-135m"

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from gateway.errors import REASONS
+from gateway.errors import REASONS, Overloaded
 from gateway.rest.errors import HTTP_ERRORS, error_response
-from runtime.errors import Overloaded, TenantQuotaExceeded, TesseraError
+from runtime.errors import TenantQuotaExceeded, TesseraError
 
 EXPECTED = {"INVALID_ARGUMENT": 400, "CONTEXT_LENGTH_EXCEEDED": 400, "UNAUTHENTICATED": 401,
             "PERMISSION_DENIED": 403, "MODEL_NOT_FOUND": 404, "KV_INTEGRITY_VIOLATION": 409,

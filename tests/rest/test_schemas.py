@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from gateway.convert import sampling_options, sampling_params
 from gateway.rest.schemas import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -18,6 +17,7 @@ from gateway.rest.schemas import (
     WorkersAIPrompt,
     WorkersAIRun,
 )
+from gateway.wire import sampling_options, sampling_params
 
 # NOTE: max_tokens is left out: its minimum (0 here, 1 in the engine) is the text branch's.
 MESSAGE = {"role": "user", "content": "Hi"}

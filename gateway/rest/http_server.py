@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import uvicorn
 
@@ -14,9 +14,6 @@ from gateway.rest.drain import Drain
 from gateway.rest.guard import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from gateway.rest.status import GatewayView
 from gateway.rest.upstream import Upstream
-
-if TYPE_CHECKING:
-    from gateway.serve import GatewayRunner
 
 KEEP_ALIVE_S = 5  # uvicorn's and vLLM's: an idle connection holds a socket, nothing more
 MAX_CONNECTIONS = 1024  # beyond it, uvicorn answers 503 (and the gateway's own queue is smaller)
@@ -80,13 +77,3 @@ class RestServer:
             await self._task
         await self.upstream.close()
         self._sock.close()
-
-
-def serve_rest(runner: GatewayRunner, host: str = "127.0.0.1", port: int = 8000, *,
-               operator_key: str | None = None) -> RestServer:
-    """The shim on a started GatewayRunner's event loop, its status page reading that gateway;
-    `/status` opens to `operator_key` (None: a random one, `server.operator_key`)."""
-    assert runner.gateway is not None, "start the runner first"
-    server = RestServer(runner.target, host, port, operator_key=operator_key,
-                        view=GatewayView(runner.gateway, runner.loop))
-    return runner.call(server.start())

@@ -1,7 +1,7 @@
 """One worker process = one engine, served over a unix socket (proto/tessera/v1/worker.proto).
 
-`python -m runtime.worker --socket PATH [--model M] [--kv-cache-bytes N] ...`. The servicer is
-thin: proto in, AsyncLLM call, proto out; errors become rich statuses in gateway.errors.
+`python -m gateway.worker --socket PATH [engine flags, as in `tessera generate`]`. The servicer
+is thin: proto in, AsyncLLM call, proto out; errors become rich statuses in gateway.errors.
 """
 
 from __future__ import annotations
@@ -19,20 +19,21 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway import convert
+from gateway import wire
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import to_status
 from gateway.logs import configure, get_logger
 from runtime.async_engine import AsyncLLM
+from runtime.engine_flags import add_engine_flags, engine_config
 from runtime.errors import RequestCancelled, TesseraError
 
 log = get_logger("tessera.worker")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, llm: AsyncLLM, served: convert.ServedInfo,
+    def __init__(self, llm: AsyncLLM, served: wire.ServedInfo,
                  fault_tenant: str | None = None, fault_loop: list[str] | None = None,
                  native_ops: str = "") -> None:
         self.llm = llm
@@ -52,7 +53,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # NOTE: chat templates and tokenizers run in a pool thread, never on this event
             # loop (other streams' writes) or the engine thread (everyone's steps).
             prompt = await asyncio.to_thread(self._prompt, request)
-            params = convert.sampling_params(request.sampling)
+            params = wire.sampling_params(request.sampling)
             first, sent = True, False
             async for out in self.llm.generate(prompt, params, request_id=rid,
                                                tenant=request.tenant or "default"):
@@ -60,7 +61,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     raise out.error
                 if out.finished and out.outputs[0].finish_reason == "abort":
                     raise RequestCancelled("the request was aborted", request_id=rid)
-                chunk = convert.chunk_response(out, first=not sent, served=self.served)
+                chunk = wire.chunk_response(out, first=not sent, served=self.served)
                 if chunk is not None:
                     sent = True
                     yield chunk
@@ -70,7 +71,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self.llm.inject_loop_fault(self.loop_faults.pop(request.tenant))
                 first = False
                 if out.finished:
-                    yield convert.final_response(out, self.served)
+                    yield wire.final_response(out, self.served)
         except TesseraError as e:
             log.info("request failed", request_id=rid, tenant=request.tenant, reason=e.reason)
             await context.abort_with_status(to_status(e))
@@ -135,12 +136,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def _served(engine, model: str | None, worker_id: str,
-            served_name: str | None = None) -> convert.ServedInfo:
+            served_name: str | None = None) -> wire.ServedInfo:
     name = served_name or (
         engine.checkpoint.revision.split(":")[0].removesuffix(".gguf") if model is None
         else os.path.basename(os.path.normpath(model)))
     f = engine.formats
-    return convert.ServedInfo(name, engine.checkpoint.revision, f.prefill.weights.label,
+    return wire.ServedInfo(name, engine.checkpoint.revision, f.prefill.weights.label,
                               f.prefill.kv.name, f.decode.weights.label, f.decode.kv.name,
                               worker_id)
 
@@ -164,26 +165,14 @@ def _exit_with_parent(socket_path: str, period_s: float = 0.5) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m runtime.worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m gateway.worker", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--socket", required=True, help="unix socket path to listen on")
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    p.add_argument("--worker-id", default=None, help="name in logs and metrics "
+                   "(default: worker-PID)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients use (the gateway passes its pool's id)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--tenant-page-quota", type=float, default=1.0)
-    p.add_argument("--integrity", default="tags", choices=["tags", "off"])
-    fmts = p.add_argument_group("serving formats, as in `tessera generate`")
-    fmts.add_argument("--kv-cache-dtype", default="auto")
-    fmts.add_argument("--prefill-kv-cache-dtype", default="auto")
-    fmts.add_argument("--prefill-weights", default="auto")
-    fmts.add_argument("--decode-weights", default="auto")
-    fmts.add_argument("--weight-group-size", type=int, default=128)
-    fmts.add_argument("--weight-asymmetric", action="store_true")
-    fmts.add_argument("--serving-config", default=None, metavar="FILE")
+    add_engine_flags(p)
     p.add_argument("--fault-tenant", default=None,
                    help="drills only: corrupt the page table of each request of this tenant")
     p.add_argument("--fault-loop", action="append", default=None, metavar="KIND:TENANT",
@@ -194,16 +183,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     from kernels.cpu_ops import native_status
-    from runtime.cli import format_kwargs
-    from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
 
     worker_id = args.worker_id or f"worker-{os.getpid()}"
-    config = EngineConfig(kv_cache_bytes=args.kv_cache_bytes, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-                          tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
-                          **format_kwargs(args))
-    engine = LLMEngine.from_path(args.model, config)
+    engine = LLMEngine.from_path(args.model, engine_config(args))
     # NOTE: before the socket exists, so the gateway never routes to a worker that would pay
     # a native build or a first-use cost on a client's request.
     started = time.monotonic()

@@ -23,20 +23,19 @@ from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import gateway_pb2_grpc
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway.auth import ApiKeys, Tenant
-from gateway.errors import from_rpc_error, to_status
+from gateway.errors import Unavailable, WorkerLost, from_rpc_error, to_status
 from gateway.interceptors import MalformedRequestInterceptor
 from gateway.logs import get_logger
 from gateway.supervisor import WorkerPool
-from runtime.errors import InvalidArgument, ModelNotFound, TesseraError, Unavailable, WorkerLost
+from gateway.wire import MAX_NAME_BYTES, SESSION_HEADER
+from runtime.errors import InvalidArgument, ModelNotFound, TesseraError
 
 log = get_logger("tessera.gateway")
-SESSION_KEY = "x-session-affinity"
 PREFIX_CHARS = 64  # prompts at least this long are routed to where their prefix last went
 MAX_TRANSPARENT_RETRIES = 2
 # Sizes refused at the edge, as INVALID_ARGUMENT whatever the excess (README: "Limits").
 MAX_PROMPT_BYTES = 1 << 20  # prompt text, or all chat message contents together
 MAX_PROMPT_TOKEN_IDS = 1 << 18
-MAX_NAME_BYTES = 256  # model id, session id
 # gRPC's own limit sits above ours, so a big prompt meets our typed refusal first.
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -110,7 +109,7 @@ def session_key(tenant: str, session: str | None) -> str | None:
     if session is None:
         return None
     if len(session.encode()) > MAX_NAME_BYTES:
-        raise InvalidArgument(f"{SESSION_KEY} over {MAX_NAME_BYTES} bytes", field=SESSION_KEY)
+        raise InvalidArgument(f"{SESSION_HEADER} over {MAX_NAME_BYTES} bytes", field=SESSION_HEADER)
     return hashlib.blake2b(f"{tenant}\0{session}".encode(), digest_size=16).hexdigest()
 
 
@@ -192,7 +191,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             pool = self.gw.pool_for(tenant, model)
             label = model = pool.config.model_id
             metadata = dict(context.invocation_metadata() or ())
-            session = session_key(tenant.name, metadata.get(SESSION_KEY) or None)
+            session = session_key(tenant.name, metadata.get(SESSION_HEADER) or None)
             wreq, prefix = build()
             prefix_key = None
             if session is None and len(prefix) >= PREFIX_CHARS:

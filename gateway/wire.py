@@ -10,6 +10,10 @@ from runtime.errors import InvalidArgument
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
+# The metadata key (gRPC) and header (HTTP) that pins a client's requests to one worker.
+SESSION_HEADER = "x-session-affinity"
+MAX_NAME_BYTES = 256  # model ids and session ids, refused past this at the edge
+
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
 

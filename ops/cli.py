@@ -1,0 +1,44 @@
+"""The `tessera` command: generate, chat, convert, serve, plan. It sits on the top floor: it
+composes each floor's own subcommands and nothing imports it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from runtime.errors import TesseraError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gateway.serve import add_serve_parser
+    from runtime.cli import add_chat_parser, add_generate_parser
+    from runtime.cli_convert import add_convert_parser
+
+    parser = argparse.ArgumentParser(prog="tessera", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("plan", add_help=False,
+                   help="capacity planner: weights, KV per token and KV capacity for a "
+                        "config.json (tessera plan --help)")
+    add_generate_parser(sub)
+    add_chat_parser(sub)
+    add_convert_parser(sub)
+    add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # the planner owns its flags and imports no torch
+        from ops.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except TesseraError as e:
+        print(f"error: {e.reason}: {e.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
