@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from runtime.errors import InvalidArgument, TesseraError
+from runtime.errors import InvalidArgument
 from runtime.formats import INT4_GROUP_SIZES, WeightFormat
 from runtime.loader import Checkpoint, open_checkpoint
 from runtime.loader.quantized import quantization_config
@@ -180,18 +179,3 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"{fmt.label} ({args.method}): source {src_bytes:,} bytes -> {args.dst} "
           f"{dst_bytes:,} bytes ({dst_bytes / src_bytes:.2f}x)")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tessera")
-    add_convert_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["convert", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.fn(args))
-    except TesseraError as e:
-        print(f"error: {e.reason}: {e.message}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -58,23 +58,14 @@ def _served_normally(runner: GatewayRunner) -> str:
     return stream.served.worker_id
 
 
-def test_a_wedged_engine_loop_is_replaced_and_its_request_ends_with_worker_lost(runner):
-    pool = runner.gateway.pools[MODEL]
-    first = pool.ready()[0].id
-    crashed = pool.stats.crashed
-    elapsed, tokens = _lose_a_worker(runner, "wedge")
-    assert tokens >= 1
-    assert elapsed < BOUND_S
-    wait_for(lambda: pool.stats.crashed == crashed + 1, 30, "the exit to count as a crash")
-    assert _served_normally(runner) != first
-
-
-def test_a_dead_engine_loop_is_replaced_and_its_request_ends_with_worker_lost(runner):
+@pytest.mark.parametrize("drill", ["wedge", "kill"])
+def test_a_wedged_or_dead_engine_loop_is_replaced_and_its_request_ends_worker_lost(
+        runner, drill):
     pool = runner.gateway.pools[MODEL]
     wait_for(lambda: len(pool.ready()) == 1, 240, "a ready worker")
     first = pool.ready()[0].id
     crashed = pool.stats.crashed
-    elapsed, tokens = _lose_a_worker(runner, "kill")
+    elapsed, tokens = _lose_a_worker(runner, drill)
     assert tokens >= 1
     assert elapsed < BOUND_S
     wait_for(lambda: pool.stats.crashed == crashed + 1, 30, "the exit to count as a crash")

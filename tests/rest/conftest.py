@@ -54,6 +54,31 @@ class Shim:
                    for s in self.worker_statuses())
 
     @contextmanager
+    def only_slot_taken(self, max_queue: int) -> Iterator[None]:
+        """The only worker takes one request at a time and is busy with a long one; the
+        gateway queues up to `max_queue` more. Restored afterwards."""
+        from dataclasses import replace
+
+        from gateway.client import NO_RETRY, Client
+
+        pool = self.runner.gateway.pools[MODEL]
+        config = pool.config
+        pool.config = replace(config, max_queue=max_queue)
+        for w in pool.ready():
+            w.max_inflight = 1
+        holder = Client(self.runner.target, api_key=KEYS["bob"], retry=NO_RETRY)
+        stream = holder.generate("Count:", model=MODEL, max_tokens=600, ignore_eos=True)
+        try:
+            next(iter(stream))
+            yield
+        finally:
+            stream.cancel()
+            holder.close()
+            pool.config = config
+            for w in pool.workers.values():
+                w.max_inflight = config.max_inflight
+
+    @contextmanager
     def another_server(self, **options: Any) -> Iterator[RestServer]:
         """A second shim on the same gateway (no new worker), stopped at the end if the test
         has not stopped it."""

@@ -32,13 +32,6 @@ def _pool(shim):
     return shim.runner.gateway.pools[MODEL]
 
 
-def _idle(shim) -> bool:
-    statuses = [shim.runner.call(w.read_status()) for w in _pool(shim).ready()]
-    return bool(statuses) and all(
-        s is not None and s.num_running == 0 and s.num_waiting == 0
-        and s.num_free_pages + s.prefix_cache.cached_pages == s.num_pages for s in statuses)
-
-
 def _patient_reference(shim) -> dict[str, str]:
     with Client(shim.runner.target, api_key=KEYS["bob"]) as client:
         return {p: "".join(c.text for c in client.generate(
@@ -139,7 +132,7 @@ def test_impatient_clients_leave_no_trace(shim) -> None:
     for prompt, text in answers:
         assert text == expected[prompt], prompt
     started = time.monotonic()
-    wait_for(lambda: _idle(shim), 15, "every page back and nothing running")
+    wait_for(shim.workers_idle, 15, "every page back and nothing running")
     drained_s = time.monotonic() - started
     health = [shim.runner.call(w.probe_health()) for w in pool.ready()]
     assert health and all(h is not None and h.engine_alive for h in health)

@@ -8,12 +8,10 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import httpx
 import pytest
 
-from gateway.client import NO_RETRY, Client
 from tests.gateway.conftest import wait_for
 from tests.rest.conftest import KEYS, MODEL, Shim
 
@@ -75,24 +73,8 @@ def test_client_gone_during_prefill_frees_the_request_at_once(shim) -> None:
 
 @pytest.fixture
 def one_slot_taken(shim: Shim) -> Iterator[None]:
-    """The only worker takes one request at a time and is busy: the next one waits in the
-    gateway's queue."""
-    pool = shim.runner.gateway.pools[MODEL]
-    config = pool.config
-    pool.config = replace(config, max_queue=4)
-    for w in pool.ready():
-        w.max_inflight = 1
-    holder = Client(shim.runner.target, api_key=KEYS["bob"], retry=NO_RETRY)
-    stream = holder.generate("Count:", model=MODEL, max_tokens=600, ignore_eos=True)
-    try:
-        next(iter(stream))
+    with shim.only_slot_taken(max_queue=4):
         yield
-    finally:
-        stream.cancel()
-        holder.close()
-        pool.config = config
-        for w in pool.workers.values():
-            w.max_inflight = config.max_inflight
 
 
 def test_client_gone_before_admission_leaves_the_queue_at_once(shim, one_slot_taken) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
 
 import openai
 import pytest
@@ -140,25 +139,11 @@ def test_corrupted_page_raises_conflict(shim) -> None:
 
 
 def test_full_pool_raises_rate_limit_with_retry_after(shim, oai) -> None:
-    pool = shim.runner.gateway.pools[MODEL]
-    config = pool.config
-    pool.config = replace(config, max_queue=0)
-    for w in pool.ready():
-        w.max_inflight = 1
-    holder = Client(shim.runner.target, api_key=KEYS["acme"], retry=NO_RETRY)
-    stream = holder.generate("Count:", model=MODEL, max_tokens=600, ignore_eos=True)
-    try:
-        next(iter(stream))
+    with shim.only_slot_taken(max_queue=0):
         with pytest.raises(openai.RateLimitError) as info:
             oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-        assert info.value.code == "overloaded"
-        assert int(info.value.response.headers["retry-after"]) >= 1
-    finally:
-        stream.cancel()
-        holder.close()
-        pool.config = config
-        for w in pool.workers.values():
-            w.max_inflight = config.max_inflight
+    assert info.value.code == "overloaded"
+    assert int(info.value.response.headers["retry-after"]) >= 1
 
 
 def test_every_chunk_of_a_stream_names_the_model_as_models_list_does(oai) -> None:

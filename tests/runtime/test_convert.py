@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from ops.cli import main
 from runtime import SamplingParams
-from runtime.cli_convert import convert_checkpoint, main
+from runtime.cli_convert import convert_checkpoint
 from runtime.errors import InvalidArgument, ModelLoadError
 from runtime.formats import WeightFormat
 from runtime.loader import open_checkpoint
@@ -132,7 +133,7 @@ def test_convert_then_load_is_bit_identical_to_converting_in_memory(llm, source,
 
 
 def test_cli_reports_both_sizes(tmp_path, capsys):
-    assert main(["--weights", "fp8", str(tmp_path / "fp8")]) == 0
+    assert main(["convert", "--weights", "fp8", str(tmp_path / "fp8")]) == 0
     out = capsys.readouterr().out
     assert "source" in out and "bytes" in out and str(tmp_path / "fp8") in out
 
@@ -143,7 +144,7 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
 
     with pytest.raises(InvalidArgument, match="MixtralForCausalLM"):
         convert_model(Other(), INT4)
-    assert main(["--weights", "int4", str(tmp_path / "q")]) == 0
+    assert main(["convert", "--weights", "int4", str(tmp_path / "q")]) == 0
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())
     cfg["architectures"] = ["MixtralForCausalLM"]
     (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
