@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +55,35 @@ def native() -> Any | None:
     if os.environ.get("TESSERA_NATIVE") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        return load(f"tessera_cpu_ops_{build_tag()}", [str(_ROOT / s) for s in _SOURCES],
+        name = f"tessera_cpu_ops_{build_tag()}"
+        clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
+        return load(name, [str(_ROOT / s) for s in _SOURCES],
                     extra_cflags=["-O3", *_arch_flags(), "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no C++ toolchain here: stay correct on the slower path
         log.warning("C++ CPU ops unavailable (%s); using the torch twins", e)
         return None
+
+
+# A build takes about a minute on 2 cores; a lock this old was left by a process killed mid-build.
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove a build lock left by a process that died mid-build (torch's cpp_extension would
+    otherwise wait on it forever, and every worker with it). Whether one was removed."""
+    lock = build_dir / "lock"
+    try:
+        age_s = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age_s < max_age_s:
+        return False
+    log.warning("removing a stale build lock (%.0f s old): %s", age_s, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def native_status() -> str:

@@ -141,3 +141,18 @@ def test_store_op_refuses_an_out_of_range_slot_and_writes_nothing(ops):
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.store_kv_rows(x, k_cache, torch.tensor([0, 5, 48, 1]), k_scale)
     assert torch.equal(k_cache, before) and torch.equal(k_scale, scale_before)
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
+    import os
+    import time
+
+    from kernels.cpu_ops import STALE_LOCK_S, clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not clear_stale_lock(tmp_path) and lock.exists()  # a build may be running
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path) and not lock.exists()
+    assert not clear_stale_lock(tmp_path)  # nothing there: nothing to do
