@@ -52,6 +52,7 @@ class Gateway:
         self.draining = False  # refuse new requests (UNAVAILABLE); in-flight ones go on
         self.closing = False  # in-flight requests are being ended (UNAVAILABLE)
         self.inflight = 0
+        self.health: tuple[health.aio.HealthServicer, tuple[str, ...]] | None = None
         self._calls: set[grpc.aio.Call] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -73,10 +74,28 @@ class Gateway:
             totals[kind] += n
             metrics.TOKENS.labels(tenant, kind.removesuffix("_tokens")).inc(n)
 
+    def serving(self) -> bool:
+        """Ready for traffic: not draining, and every pool has a ready worker (or may start
+        one on demand)."""
+        return not self.draining and all(p.ready() or p.config.min_workers == 0
+                                         for p in self.pools.values())
+
+    async def refresh_health(self) -> None:
+        """grpc.health.v1 follows `serving()`, so a readiness probe holds traffic back until
+        workers are up and while the gateway drains."""
+        if self.health is None:
+            return
+        servicer, services = self.health
+        status = (health_pb2.HealthCheckResponse.SERVING if self.serving()
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in services:
+            await servicer.set(service, status)
+
     async def drain(self, grace_s: float) -> None:
         """Graceful shutdown: refuse new requests at once, let in-flight ones finish for up to
         grace_s, then end the rest with a typed UNAVAILABLE."""
         self.draining = True
+        await self.refresh_health()
         try:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except TimeoutError:
@@ -278,8 +297,8 @@ async def build_server(gateway: Gateway, host: str = "127.0.0.1",
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     name = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
-    for service in ("", name):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    gateway.health = (health_servicer, ("", name))
+    await gateway.refresh_health()
     reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                         server)
     bound_port = server.add_insecure_port(f"{host}:{port}")

@@ -26,6 +26,7 @@ class GatewayRunner:
         self.loop = asyncio.new_event_loop()
         self.gateway: Gateway | None = None
         self._server: Any = None
+        self._health_task: asyncio.Task[None] | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, name="tessera-gateway",
                                         daemon=True)
 
@@ -49,8 +50,19 @@ class GatewayRunner:
         await self._server.start()
         for pool in pools.values():
             await pool.start()
+        self._health_task = asyncio.create_task(self._follow_health())
         if wait_ready:
             await self.wait_ready()
+
+    async def _follow_health(self, period_s: float = 0.5) -> None:
+        """Keep grpc.health.v1 in step with the pools (workers ready, draining)."""
+        assert self.gateway is not None
+        while True:
+            try:
+                await self.gateway.refresh_health()
+            except Exception:  # a failed refresh must not end the watch
+                log.exception("health refresh failed")
+            await asyncio.sleep(period_s)
 
     async def wait_ready(self, timeout_s: float = 300) -> None:
         """Until every pool has its minimum of ready workers."""
@@ -79,6 +91,8 @@ class GatewayRunner:
 
     async def _stop(self, grace_s: float) -> None:
         await self.drain(grace_s)
+        if self._health_task is not None:
+            self._health_task.cancel()
         if self._server is not None:
             await self._server.stop(grace=1)
         if self.gateway is not None:

@@ -251,6 +251,8 @@ class WorkerPool:
         await self._notify()
 
     def _on_crash(self, worker: WorkerHandle, code: int | None) -> None:
+        if worker.state != "lost":  # not replaced by the supervisor: it exited on its own
+            metrics.WORKERS_LOST.labels(self.config.model_id, "exited").inc()
         worker.state = "stopped"
         self.stats.crashed += 1
         self._consecutive_crashes += 1

@@ -7,7 +7,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.client import Client
 from gateway.runner import GatewayRunner
@@ -26,9 +28,13 @@ def test_first_answer_on_an_empty_extension_cache(tmp_path: Path) -> None:
     runner = GatewayRunner([config], api_keys()).start(wait_ready=False)
     try:
         pool = runner.gateway.pools[MODEL]
-        # Until ready, nothing may be routed: the worker's socket does not exist yet.
+        # Until ready, nothing may be routed: the worker's socket does not exist yet, and the
+        # gateway's own health check tells a readiness probe to hold traffic back.
         assert pool.ready() == []
+        assert _gateway_health(runner) == health_pb2.HealthCheckResponse.NOT_SERVING
         runner.call(runner.wait_ready(timeout_s=600), timeout_s=660)
+        time.sleep(1.0)  # the health status follows the pool within half a second
+        assert _gateway_health(runner) == health_pb2.HealthCheckResponse.SERVING
         worker = pool.ready()[0]
         assert worker.status is not None
         assert worker.status.native_ops == "loaded"  # as read when it was declared ready
@@ -44,3 +50,9 @@ def test_first_answer_on_an_empty_extension_cache(tmp_path: Path) -> None:
               f"{time.monotonic() - started:.1f} s after start")
     finally:
         runner.stop()
+
+
+def _gateway_health(runner: GatewayRunner) -> int:
+    with grpc.insecure_channel(runner.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
