@@ -262,7 +262,7 @@ def test_malformed_values_are_named():
 
 
 def tessera(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "runtime", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ops.cli", *args], capture_output=True,
                           text=True, cwd=REPO, timeout=120, env={**os.environ})
 
 

@@ -20,7 +20,7 @@ TIMEOUT_S = 300
 
 def tessera(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "runtime", *args], input=stdin, text=True,
+    return subprocess.run([sys.executable, "-m", "ops.cli", *args], input=stdin, text=True,
                           capture_output=True, cwd=REPO, env=env, timeout=TIMEOUT_S)
 
 
