@@ -127,7 +127,8 @@ class WorkerPool:
                             # NOTE: another slot may be free for whoever's turn is next.
                             self._changed.notify_all()
                             return worker
-                    self._scale_up()
+                    if not any(w.available for w in self.live()):  # not just a tenant's cap
+                        self._scale_up()
                     if not queued:
                         self._check_room(ticket)
                         queued = True

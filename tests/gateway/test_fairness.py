@@ -93,8 +93,8 @@ def test_key_limits_fall_back_to_the_serve_defaults_one_by_one() -> None:
 # -- a pool's admission, on stand-in workers ----------------------------------------------------
 
 def one_slot_pool(slots: int = 1, **config: object) -> WorkerPool:
-    pool = WorkerPool(PoolConfig(MODEL, min_workers=1, max_workers=1,  # type: ignore[arg-type]
-                                 **config), run_dir="unused")
+    config = {"min_workers": 1, "max_workers": 1, **config}
+    pool = WorkerPool(PoolConfig(MODEL, **config), run_dir="unused")  # type: ignore[arg-type]
     worker = StandIn("w0", 0.0)
     worker.max_inflight = slots
     pool.workers = {worker.id: worker}  # type: ignore[dict-item]
@@ -127,13 +127,16 @@ def test_one_tenants_flood_does_not_delay_anothers_request() -> None:
     asyncio.run(scenario())
 
 
-def test_tenant_at_its_cap_waits_though_a_slot_is_free() -> None:
+def test_tenant_at_its_cap_waits_though_a_slot_is_free_and_starts_no_worker() -> None:
     async def scenario() -> None:
-        pool = one_slot_pool(slots=2)
+        pool = one_slot_pool(slots=2, max_workers=2)
+        spawned: list[int] = []
+        pool._spawn = lambda: spawned.append(1)  # type: ignore[assignment,method-assign]
         capped = TenantLimits(max_inflight=1)
         first = await pool.acquire(timeout_s=5, tenant="alpha", limits=capped)
         second = asyncio.create_task(pool.acquire(timeout_s=5, tenant="alpha", limits=capped))
         await queued(pool, 1)
+        assert not spawned, "a free slot is there; only alpha's own cap holds it back"
         await pool.acquire(timeout_s=1, tenant="beta")  # takes the free slot at once
         assert not second.done()
         await pool.release(first, "alpha")
