@@ -12,18 +12,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import PermissionDenied, Unauthenticated
+from gateway.fairness import NO_LIMITS, TenantLimits
 from runtime.errors import InvalidArgument
 
 ENV_VAR = "TESSERA_API_KEYS"
+LIMIT_NAMES = ("max_inflight", "max_queued")
 
 
 @dataclass(frozen=True)
 class Tenant:
     name: str
     models: frozenset[str] | None = None  # None: every model
+    limits: TenantLimits = NO_LIMITS  # the key's own; unset ones fall back to serve's defaults
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+
+def _parse_limits(options: list[str]) -> TenantLimits:
+    """`max_inflight=N`, `max_queued=M` (in any order, each at most once)."""
+    values: dict[str, int] = {}
+    for option in (o.strip() for o in options):
+        if not option:
+            continue
+        name, _, value = option.partition("=")
+        name = name.strip()
+        # NOTE: the message never quotes the entry: it holds a secret key.
+        if name not in LIMIT_NAMES or name in values or not value.strip().isdigit():
+            raise InvalidArgument(f"API key options are {' and '.join(LIMIT_NAMES)}, each once, "
+                                  "with a whole number", field="api_keys")
+        values[name] = int(value)
+    return TenantLimits(**values)
 
 
 def _digest(key: str) -> bytes:
@@ -39,19 +58,21 @@ class ApiKeys:
 
     @classmethod
     def parse(cls, spec: str | Iterable[str]) -> ApiKeys:
-        """`key=tenant` or `key=tenant:model1|model2` entries, comma- or line-separated."""
+        """Entries `key=tenant[:model|model][;max_inflight=N][;max_queued=M]`, comma- or
+        line-separated; `#` starts a comment line."""
         items = spec.replace("\n", ",").split(",") if isinstance(spec, str) else spec
         keys: dict[str, Tenant] = {}
         for item in (i.strip() for i in items):
             if not item or item.startswith("#"):
                 continue
-            key, sep, rest = item.partition("=")
+            entry, *options = item.split(";")
+            key, sep, rest = entry.partition("=")
             tenant, _, models = rest.partition(":")
             if not sep or not key.strip() or not tenant.strip():
-                raise InvalidArgument("API key entries look like key=tenant[:model|model]",
-                                      field="api_keys")
+                raise InvalidArgument("API key entries look like key=tenant[:model|model]"
+                                      "[;max_inflight=N][;max_queued=M]", field="api_keys")
             allowed = frozenset(m for m in models.split("|") if m) if models else None
-            keys[key.strip()] = Tenant(tenant.strip(), allowed)
+            keys[key.strip()] = Tenant(tenant.strip(), allowed, _parse_limits(options))
         return cls(keys)
 
     @classmethod

@@ -7,7 +7,8 @@
         print(stream.usage)   # prompt_tokens, cached_tokens, completion_tokens
 
 Errors raise one class per reason (gateway.errors.REASONS). Retryable reasons (OVERLOADED,
-WORKER_LOST) are retried with backoff and a time budget, only before the first token.
+TENANT_CONCURRENCY_EXCEEDED, WORKER_LOST) are retried with backoff and a time budget, only
+before the first token.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gateway.errors import (  # noqa: F401  (re-exported: the SDK's exception cl
     DeadlineExceeded,
     Overloaded,
     PermissionDenied,
+    TenantConcurrencyExceeded,
     Unauthenticated,
     Unavailable,
     WorkerLost,

@@ -42,6 +42,16 @@ class Overloaded(TesseraError):
     reason = "OVERLOADED"
     retryable = True
 
+
+class TenantConcurrencyExceeded(TesseraError):
+    """The gateway's own per-tenant limit: the tenant already has as many requests in flight and
+    waiting for this model as its key allows. Retry when one ends. Not the engine's
+    TenantQuotaExceeded (a request that alone needs more KV than the tenant may hold: final)."""
+
+    reason = "TENANT_CONCURRENCY_EXCEEDED"
+    retryable = True
+
+
 class DeadlineExceeded(TesseraError):
     reason = "DEADLINE_EXCEEDED"
 
@@ -68,6 +78,8 @@ REASONS: dict[str, tuple[type[TesseraError], grpc.StatusCode]] = {
     "PERMISSION_DENIED": (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     "OVERLOADED": (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     "TENANT_QUOTA_EXCEEDED": (TenantQuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "TENANT_CONCURRENCY_EXCEEDED": (TenantConcurrencyExceeded,
+                                    grpc.StatusCode.RESOURCE_EXHAUSTED),
     "KV_INTEGRITY_VIOLATION": (KVIntegrityViolation, grpc.StatusCode.ABORTED),
     "WORKER_LOST": (WorkerLost, grpc.StatusCode.UNAVAILABLE),
     "UNAVAILABLE": (Unavailable, grpc.StatusCode.UNAVAILABLE),
@@ -77,8 +89,8 @@ REASONS: dict[str, tuple[type[TesseraError], grpc.StatusCode]] = {
 }
 
 # What a status without ErrorInfo means (raised by gRPC itself, e.g. a dead socket). Our own
-# OVERLOADED always carries ErrorInfo: a bare RESOURCE_EXHAUSTED is gRPC refusing a message
-# or metadata over its size limits, which no retry can fix.
+# OVERLOADED and TENANT_CONCURRENCY_EXCEEDED always carry ErrorInfo: a bare RESOURCE_EXHAUSTED
+# is gRPC refusing a message or metadata over its size limits, which no retry can fix.
 _BARE_CODES: dict[grpc.StatusCode, type[TesseraError]] = {
     grpc.StatusCode.UNAVAILABLE: WorkerLost,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,

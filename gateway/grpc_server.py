@@ -24,6 +24,7 @@ from gateway._proto.tessera.v1 import gateway_pb2_grpc
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway.auth import ApiKeys, Tenant
 from gateway.errors import Unavailable, WorkerLost, from_rpc_error, to_status
+from gateway.fairness import NO_LIMITS, TenantLimits
 from gateway.interceptors import MalformedRequestInterceptor
 from gateway.logs import get_logger
 from gateway.supervisor import WorkerPool
@@ -44,9 +45,11 @@ class Gateway:
     """State shared by the servicers: pools by model id, keys, per-tenant usage totals."""
 
     def __init__(self, pools: dict[str, WorkerPool], keys: ApiKeys,
-                 default_model: str | None = None) -> None:
+                 default_model: str | None = None,
+                 tenant_limits: TenantLimits = NO_LIMITS) -> None:
         self.pools = pools
         self.keys = keys
+        self.tenant_limits = tenant_limits  # for keys that set none of their own
         self.default_model = default_model or next(iter(pools))
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         self.draining = False  # refuse new requests (UNAVAILABLE); in-flight ones go on
@@ -66,6 +69,9 @@ class Gateway:
             raise ModelNotFound(f"no model {model!r} is served here", model=model)
         self.keys.authorize(tenant, model)
         return pool
+
+    def limits_for(self, tenant: Tenant) -> TenantLimits:
+        return tenant.limits.over(self.tenant_limits)
 
     def record_usage(self, tenant: str, usage: pb.Usage) -> None:
         totals = self.usage[tenant]
@@ -220,7 +226,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             tenant_name = tenant.name
             streamed = False
             for attempt in range(MAX_TRANSPARENT_RETRIES + 1):
-                worker = await pool.acquire(session, prefix_key, context.time_remaining())
+                worker = await pool.acquire(session, prefix_key, context.time_remaining(),
+                                            tenant=tenant.name,
+                                            limits=self.gw.limits_for(tenant))
                 bound = bound.bind(worker=worker.id)
                 call = worker.stub.Generate(wreq, timeout=context.time_remaining())
                 self.gw._calls.add(call)
@@ -258,7 +266,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 finally:
                     self.gw._calls.discard(call)
                     call.cancel()  # a no-op once finished; aborts the worker's request otherwise
-                    await pool.release(worker)
+                    await pool.release(worker, tenant.name)
         except TesseraError as e:
             reason = e.reason
             bound.info("request failed", reason=e.reason, error=e.message)

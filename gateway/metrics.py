@@ -16,6 +16,14 @@ ITL = Histogram("tessera_gateway_inter_token_seconds", "Time between streamed ch
                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 QUEUE_DEPTH = Gauge("tessera_gateway_queue_depth", "Requests waiting for a worker", ["model"])
 REJECTED = Counter("tessera_gateway_overloaded_total", "Requests refused: queue full", ["model"])
+# NOTE: tenant labels are names from the API key file (authenticated), never client input.
+TENANT_INFLIGHT = Gauge("tessera_gateway_tenant_inflight", "Requests holding a worker slot, "
+                        "by tenant", ["model", "tenant"])
+TENANT_QUEUED = Gauge("tessera_gateway_tenant_queued", "Requests waiting for a worker slot, "
+                      "by tenant", ["model", "tenant"])
+TENANT_REFUSED = Counter("tessera_gateway_tenant_refused_total", "Requests refused before a "
+                         "worker slot, by tenant and reason (TENANT_CONCURRENCY_EXCEEDED, "
+                         "OVERLOADED)", ["model", "tenant", "reason"])
 WORKERS = Gauge("tessera_gateway_workers", "Worker processes by state", ["model", "state"])
 COLD_START = Histogram("tessera_gateway_worker_cold_start_seconds",
                        "Spawn to healthy, per worker", ["model"],

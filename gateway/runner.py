@@ -10,6 +10,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from gateway.auth import ApiKeys
+from gateway.fairness import NO_LIMITS, TenantLimits
 from gateway.grpc_server import Gateway, build_server
 from gateway.logs import configure, get_logger
 from gateway.supervisor import PoolConfig, WorkerPool
@@ -21,8 +22,9 @@ class GatewayRunner:
     """The gateway on its own event loop thread; `call` runs a coroutine there."""
 
     def __init__(self, pools: Sequence[PoolConfig], keys: ApiKeys, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, tenant_limits: TenantLimits = NO_LIMITS) -> None:
         self.pool_configs, self.keys, self.host, self.port = list(pools), keys, host, port
+        self.tenant_limits = tenant_limits
         self.loop = asyncio.new_event_loop()
         self.gateway: Gateway | None = None
         self._server: Any = None
@@ -45,7 +47,7 @@ class GatewayRunner:
 
     async def _start(self, wait_ready: bool) -> None:
         pools = {c.model_id: WorkerPool(c) for c in self.pool_configs}
-        self.gateway = Gateway(pools, self.keys)
+        self.gateway = Gateway(pools, self.keys, tenant_limits=self.tenant_limits)
         self._server, self.port = await build_server(self.gateway, self.host, self.port)
         await self._server.start()
         for pool in pools.values():

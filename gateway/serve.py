@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from gateway.auth import ApiKeys
+from gateway.fairness import TenantLimits
 from gateway.logs import configure, get_logger
 from gateway.rest.http_server import RestServer
 from gateway.rest.status import GatewayView
@@ -21,6 +22,8 @@ from runtime.engine_flags import add_engine_flags, engine_argv
 
 log = get_logger("tessera.serve")
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+# A quarter of --max-queue's default: one tenant's flood never fills the model's whole queue.
+DEFAULT_TENANT_MAX_QUEUED = 32
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,13 +33,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address every port binds to")
     p.add_argument("--grpc-port", type=int, default=50051, help="the gRPC gateway's port")
     p.add_argument("--api-keys", default=None,
-                   help="file of key=tenant[:model|model] lines (else $TESSERA_API_KEYS)")
+                   help="file of key=tenant[:model|model][;max_inflight=N][;max_queued=M] "
+                        "lines (else $TESSERA_API_KEYS)")
     p.add_argument("--model-id", default=DEFAULT_MODEL_ID,
                    help="the model's name for clients (requests, /v1/models)")
     p.add_argument("--min-workers", type=int, default=1, help="workers kept running")
     p.add_argument("--max-workers", type=int, default=1, help="workers started under load")
     p.add_argument("--max-inflight", type=int, default=32, help="per worker")
     p.add_argument("--max-queue", type=int, default=128, help="waiting requests per model")
+    p.add_argument("--tenant-max-inflight", type=int, default=None,
+                   help="requests one tenant may have running per model, for keys that set no "
+                        "max_inflight (None: as many as there are slots)")
+    p.add_argument("--tenant-max-queued", type=int, default=DEFAULT_TENANT_MAX_QUEUED,
+                   help="requests one tenant may have waiting per model, for keys that set no "
+                        "max_queued; past it, 429 TENANT_CONCURRENCY_EXCEEDED")
     p.add_argument("--idle-ttl-s", type=float, default=None,
                    help="stop workers idle this long, down to --min-workers (None: never)")
     p.add_argument("--recycle-after-requests", type=int, default=None,
@@ -93,7 +103,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    runner = GatewayRunner([pool], keys, args.host, args.grpc_port).start(wait_ready=False)
+    limits = TenantLimits(args.tenant_max_inflight, args.tenant_max_queued)
+    runner = GatewayRunner([pool], keys, args.host, args.grpc_port,
+                           tenant_limits=limits).start(wait_ready=False)
     print(f"tessera gateway on {runner.target} serving {args.model_id}; starting workers",
           flush=True)
     # NOTE: waiting in slices, so a Ctrl-C or SIGTERM before the workers are ready stops

@@ -1,6 +1,7 @@
 """Worker processes per model: spawn on demand, wait for health, keep min/max, reap idle ones,
 recycle old ones by draining, restart crashed ones with backoff. Each pool admits requests
-through a bounded queue; past it, OVERLOADED with a retry hint."""
+through a bounded queue, fair between tenants (gateway.fairness); past a tenant's bound,
+TENANT_CONCURRENCY_EXCEEDED, past the pool's, OVERLOADED, both with a retry hint."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from gateway import metrics
-from gateway.errors import DeadlineExceeded, Overloaded, WorkerLost
+from gateway.errors import DeadlineExceeded, Overloaded, TenantConcurrencyExceeded, WorkerLost
+from gateway.fairness import NO_LIMITS, FairQueue, TenantLimits, Ticket
 from gateway.logs import get_logger
 from gateway.router import Router
 from gateway.worker_handle import WorkerHandle
@@ -78,7 +80,8 @@ class WorkerPool:
         self.router = Router()
         self.workers: dict[str, WorkerHandle] = {}
         self.stats = PoolStats()
-        self.waiting = 0
+        self.waiting = 0  # requests that could not start at once, all tenants
+        self.queue = FairQueue()
         self._changed = asyncio.Condition()
         self._seq = 0
         self._consecutive_crashes = 0
@@ -100,48 +103,98 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.state == "ready"]
 
     async def acquire(self, session: str | None = None, prefix_key: str | None = None,
-                      timeout_s: float | None = None) -> WorkerHandle:
-        """A worker with a free slot for one request; release() it when the request ends."""
+                      timeout_s: float | None = None, *, tenant: str = "",
+                      limits: TenantLimits = NO_LIMITS) -> WorkerHandle:
+        """A worker with a free slot for one request of `tenant`; release() it, naming the same
+        tenant, when the request ends. Waiting requests take freed slots in the FairQueue's
+        order; past the tenant's own queue bound, or the pool's, a request is refused."""
         wait_s = self.config.start_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
-        queued = False
-        try:
-            async with self._changed:
+        model = self.config.model_id
+        async with self._changed:
+            ticket = self.queue.join(tenant, limits)
+            started = queued = False
+            try:
                 while True:
-                    worker = self.router.pick(self.live(), session, prefix_key)
-                    if worker is not None:
-                        worker = cast(WorkerHandle, worker)
-                        worker.inflight += 1
-                        worker.last_used = time.monotonic()
-                        return worker
-                    self._scale_up()
+                    if self.queue.next_up() is ticket:
+                        worker = self.router.pick(self.live(), session, prefix_key)
+                        if worker is not None:
+                            worker = cast(WorkerHandle, worker)
+                            worker.inflight += 1
+                            worker.last_used = time.monotonic()
+                            self.queue.start(ticket)
+                            started = True
+                            # NOTE: another slot may be free for whoever's turn is next.
+                            self._changed.notify_all()
+                            return worker
+                    if not any(w.available for w in self.live()):  # not just a tenant's cap
+                        self._scale_up()
                     if not queued:
-                        if self.waiting >= self.config.max_queue:
-                            metrics.REJECTED.labels(self.config.model_id).inc()
-                            raise Overloaded(f"model {self.config.model_id!r} is at capacity; "
-                                             f"retry shortly", retry_after_s=1,
-                                             model=self.config.model_id)
+                        self._check_room(ticket)
                         queued = True
                         self.waiting += 1
-                        metrics.QUEUE_DEPTH.labels(self.config.model_id).set(self.waiting)
+                        metrics.QUEUE_DEPTH.labels(model).set(self.waiting)
+                        self._tenant_gauges(tenant)
                     left = deadline - time.monotonic()
                     if left <= 0 and timeout_s is not None:
                         raise DeadlineExceeded("deadline passed while waiting for a worker")
                     if left <= 0:
-                        raise Overloaded(f"no worker of {self.config.model_id!r} became free "
-                                         f"in {wait_s:.0f} s", retry_after_s=1)
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
-                    except TimeoutError:
-                        pass
+                        raise Overloaded(f"no worker of {model!r} became free in {wait_s:.0f} s",
+                                         retry_after_s=1)
+                    await self._wait_for_change(min(left, 1.0))
                     if self._closed:
                         raise WorkerLost("the gateway is shutting down")
-        finally:
-            if queued:
-                self.waiting -= 1
-                metrics.QUEUE_DEPTH.labels(self.config.model_id).set(self.waiting)
+            finally:
+                if not started:
+                    self.queue.leave(ticket)
+                    self._changed.notify_all()  # the turn may pass to another tenant
+                if queued:
+                    self.waiting -= 1
+                    metrics.QUEUE_DEPTH.labels(model).set(self.waiting)
+                self._tenant_gauges(tenant)
 
-    async def release(self, worker: WorkerHandle) -> None:
+    async def _wait_for_change(self, timeout_s: float) -> None:
+        """Until notified or timeout_s passed; the lock is held again on return, and the
+        caller's cancellation is never lost (asyncio.wait_for can swallow it before 3.12,
+        and a cancelled request would then take a slot for nobody)."""
+        waiting = asyncio.ensure_future(self._changed.wait())
+        cancelled = False
+        try:
+            await asyncio.wait({waiting}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            cancelled = True
+        waiting.cancel()
+        # NOTE: the lock is ours again only once that wait has re-acquired it.
+        while not waiting.done():
+            try:
+                await asyncio.wait({waiting})
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _check_room(self, ticket: Ticket) -> None:
+        """A request that must wait: refused past its tenant's queue bound, then the pool's."""
+        model = self.config.model_id
+        try:
+            self.queue.must_wait(ticket, model)
+        except TenantConcurrencyExceeded as e:
+            metrics.TENANT_REFUSED.labels(model, ticket.tenant, e.reason).inc()
+            raise
+        if self.waiting >= self.config.max_queue:
+            metrics.REJECTED.labels(model).inc()
+            metrics.TENANT_REFUSED.labels(model, ticket.tenant, Overloaded.reason).inc()
+            raise Overloaded(f"model {model!r} is at capacity; retry shortly", retry_after_s=1,
+                             model=model)
+
+    def _tenant_gauges(self, tenant: str) -> None:
+        model = self.config.model_id
+        metrics.TENANT_INFLIGHT.labels(model, tenant).set(self.queue.inflight[tenant])
+        metrics.TENANT_QUEUED.labels(model, tenant).set(self.queue.queued(tenant))
+
+    async def release(self, worker: WorkerHandle, tenant: str = "") -> None:
+        self.queue.finish(tenant)
+        self._tenant_gauges(tenant)
         worker.inflight -= 1
         worker.requests_served += 1
         worker.last_used = time.monotonic()

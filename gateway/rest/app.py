@@ -53,8 +53,10 @@ load): an unknown model (404) or one the key may not use (403); a prompt that do
 model's context with `max_tokens` (400 `CONTEXT_LENGTH_EXCEEDED`); a prompt that is empty or
 whose token ids are outside the model's vocabulary (400 `INVALID_ARGUMENT`, param `prompt`); a
 conversation the model's chat template refuses (400); a request that alone needs more KV than
-its tenant may hold (429 `TENANT_QUOTA_EXCEEDED`, not to be retried); a full server (429 with
-Retry-After); a server shutting down (503 `UNAVAILABLE` with Retry-After).
+its tenant may hold (429 `TENANT_QUOTA_EXCEEDED`, not to be retried); a key that already has
+as many requests running and waiting as it may (429 `TENANT_CONCURRENCY_EXCEEDED` with
+Retry-After); a full server (429 with Retry-After); a server shutting down (503 `UNAVAILABLE`
+with Retry-After).
 
 Errors: OpenAI routes answer `{{"error": {{"message", "type", "code", "param", "reason"}}}}`,
 `/ai/run` its envelope with `success: false`; the HTTP status follows the reason (400, 401,

@@ -22,7 +22,9 @@ class HttpError:
 
 
 # NOTE: 429 TENANT_QUOTA_EXCEEDED is never retryable (the request alone needs more KV than the
-# tenant may hold), so it carries no Retry-After and `x-should-retry: false`.
+# tenant may hold), so it carries no Retry-After and `x-should-retry: false`; 429
+# TENANT_CONCURRENCY_EXCEEDED (the key has as many requests running and waiting as it may) and
+# OVERLOADED are, with Retry-After.
 HTTP_ERRORS: dict[str, HttpError] = {
     "INVALID_ARGUMENT": HttpError(400, "invalid_request_error", "invalid_argument", 5006),
     "CONTEXT_LENGTH_EXCEEDED": HttpError(400, "invalid_request_error",
@@ -39,6 +41,8 @@ HTTP_ERRORS: dict[str, HttpError] = {
     "KV_INTEGRITY_VIOLATION": HttpError(409, "integrity_error", "kv_integrity_violation", 3050),
     "OVERLOADED": HttpError(429, "rate_limit_error", "overloaded", 3040),
     "TENANT_QUOTA_EXCEEDED": HttpError(429, "rate_limit_error", "insufficient_quota", 3036),
+    "TENANT_CONCURRENCY_EXCEEDED": HttpError(429, "rate_limit_error", "rate_limit_exceeded",
+                                             3037),
     "CANCELLED": HttpError(499, "request_cancelled", "cancelled", 3008),
     "INTERNAL": HttpError(500, "server_error", "internal", 3000),
     "MODEL_LOAD_FAILED": HttpError(503, "server_error", "model_load_failed", 3043),

@@ -71,7 +71,7 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 60, what: str = "
 @pytest.fixture(scope="session")
 def two_workers() -> Iterator[GatewayRunner]:
     """A gateway with a pool of exactly two workers (restarted if one dies), shared by the
-    end-to-end, error and worker-loss tests (which run last: they kill workers)."""
+    end-to-end, error, tenant-limit and worker-loss tests (which run last: they kill workers)."""
     runner = start_runner(min_workers=2, max_workers=2)
     yield runner
     runner.stop()

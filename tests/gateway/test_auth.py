@@ -1,4 +1,4 @@
-"""API keys: parsing, bearer metadata, unknown keys, per-tenant model permissions."""
+"""API keys: parsing, bearer metadata, unknown keys, per-tenant model permissions and limits."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from gateway.auth import ApiKeys, Tenant
 from gateway.errors import PermissionDenied, Unauthenticated
+from gateway.fairness import TenantLimits
 from runtime.errors import InvalidArgument
 
 
@@ -44,3 +45,20 @@ def test_without_file_or_env_a_dev_key_is_made(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("TESSERA_API_KEYS", "a=t1,b=t2")
     keys, dev = ApiKeys.load()
     assert dev is None and len(keys) == 2
+
+
+def test_key_entries_carry_per_tenant_limits() -> None:
+    keys = ApiKeys.parse("k1=acme:m1;max_inflight=4;max_queued=0\nk2=bob; max_queued = 2\nk3=eve")
+    acme = keys.authenticate([("authorization", "Bearer k1")])
+    assert acme.limits == TenantLimits(max_inflight=4, max_queued=0) and acme.may_use("m1")
+    assert keys.authenticate([("authorization", "Bearer k2")]).limits == TenantLimits(None, 2)
+    assert keys.authenticate([("authorization", "Bearer k3")]).limits == TenantLimits()
+
+
+@pytest.mark.parametrize("entry", ["sk-1=acme;max_inflight=0", "sk-1=acme;max_queued=-1",
+                                   "sk-1=acme;max_inflight=two", "sk-1=acme;burst=3",
+                                   "sk-1=acme;max_queued=1;max_queued=2"])
+def test_bad_limits_are_refused_without_quoting_the_key(entry: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        ApiKeys.parse(entry)
+    assert "sk-1" not in str(info.value)

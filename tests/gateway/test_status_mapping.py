@@ -14,6 +14,7 @@ from runtime.errors import InvalidArgument
 EXPECTED_CODES = {
     "KV_INTEGRITY_VIOLATION": grpc.StatusCode.ABORTED,
     "OVERLOADED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "TENANT_CONCURRENCY_EXCEEDED": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "WORKER_LOST": grpc.StatusCode.UNAVAILABLE,
     "UNAUTHENTICATED": grpc.StatusCode.UNAUTHENTICATED,
     "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,

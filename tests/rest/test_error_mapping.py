@@ -6,13 +6,14 @@ import json
 
 import pytest
 
-from gateway.errors import REASONS, Overloaded
+from gateway.errors import REASONS, Overloaded, TenantConcurrencyExceeded
 from gateway.rest.errors import HTTP_ERRORS, error_response
 from runtime.errors import TenantQuotaExceeded, TesseraError
 
 EXPECTED = {"INVALID_ARGUMENT": 400, "CONTEXT_LENGTH_EXCEEDED": 400, "UNAUTHENTICATED": 401,
             "PERMISSION_DENIED": 403, "MODEL_NOT_FOUND": 404, "KV_INTEGRITY_VIOLATION": 409,
-            "OVERLOADED": 429, "TENANT_QUOTA_EXCEEDED": 429, "WORKER_LOST": 503,
+            "OVERLOADED": 429, "TENANT_QUOTA_EXCEEDED": 429, "TENANT_CONCURRENCY_EXCEEDED": 429,
+            "WORKER_LOST": 503,
             "DEADLINE_EXCEEDED": 504, "INTERNAL": 500}
 
 
@@ -35,6 +36,13 @@ def test_reason_maps_to_its_status_in_both_envelopes(reason: str, status: int) -
 def test_retryable_reason_carries_retry_after_rounded_up() -> None:
     response = error_response(Overloaded("busy", retry_after_s="0.2"), workers_ai=False)
     assert response.headers["retry-after"] == "1"
+
+
+def test_tenant_concurrency_429_says_when_to_retry_unlike_the_kv_quota_429() -> None:
+    response = error_response(TenantConcurrencyExceeded("busy key", retry_after_s=2),
+                              workers_ai=True)
+    assert response.status_code == 429
+    assert (response.headers["retry-after"], response.headers["x-should-retry"]) == ("2", "true")
 
 
 def test_non_retryable_429_says_do_not_retry() -> None:

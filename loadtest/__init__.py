@@ -1,0 +1,14 @@
+"""Locust load tests of a running tessera server: users over gRPC (the SDK) and REST (OpenAI
+and Workers-AI routes), scenarios (short chat, agent sessions, long context, an abusive tenant)
+and streaming metrics (time to first token, inter-token latency, tokens) as locust entries.
+Run with `python3 -m locust -f loadtest/locustfile.py` (README: "Load tests")."""
+
+from __future__ import annotations
+
+import locust  # noqa: F401  (first: it monkey-patches the standard library for gevent)
+
+# isort: split
+from grpc.experimental import gevent as grpc_gevent
+
+# NOTE: after gevent's patching and before any channel exists, or gRPC calls block every user.
+grpc_gevent.init_gevent()
