@@ -228,6 +228,8 @@ class AsyncLLM:
                 return
             if not fut.set_running_or_notify_cancel():
                 continue  # the caller gave up before it ran
+            # NOTE: a running future can no longer be cancelled, so completing it below never
+            # raises InvalidStateError, whatever its caller does meanwhile.
             try:
                 result = fn()
             except LoopFault:
