@@ -1,4 +1,4 @@
-"""The `tessera` command: generate, chat, convert, serve, plan. It sits on the top floor: it
+"""The `tessera` command: generate, chat, convert, serve, plan, bench. It sits on the top floor: it
 composes each floor's own subcommands and nothing imports it."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from runtime.errors import TesseraError
 
 def build_parser() -> argparse.ArgumentParser:
     from gateway.serve import add_serve_parser
+    from ops.bench.serving.cli import add_bench_parser
     from runtime.cli import add_chat_parser, add_generate_parser
     from runtime.cli_convert import add_convert_parser
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(sub)
     add_convert_parser(sub)
     add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
