@@ -39,7 +39,8 @@ def plot(report: dict, path: str | Path, reference: bool = True) -> Path:
         short = [(r["concurrency"], r[fmt]["tok_s"]) for r in rows
                  if out_of_pages(r[fmt], r["concurrency"])]
         if short:
-            ax.plot(*zip(*short, strict=True), "x", color="k", markersize=9,
+            ax.plot(*zip(*short, strict=True), "o", markersize=14, markerfacecolor="none",
+                    markeredgewidth=1.5, color=COLORS[fmt],
                     label=f"{fmt.upper()} out of pages (preempts)")
     ax.set_title(f"tessera, same {report['kv_cache_bytes'] / 2**20:.0f} MiB KV budget "
                  f"({report.get('date', '')}, {report.get('threads', '?')} threads)", fontsize=9)

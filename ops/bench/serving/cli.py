@@ -60,7 +60,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a request still running after this counts as a TIMEOUT error")
     p.add_argument("--warmup", type=int, default=1,
                    help="requests sent to each endpoint before the first level, not measured")
-    p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    p.add_argument("--seed", type=int, default=0,
+                   help="prompts and arrival times; the same seed sends the same prompts, so "
+                        "a second run against a server with a prefix cache gets hits")
     p.add_argument("--slo", action="append", default=[], metavar="NAME=MS",
                    help=f"goodput counts requests meeting every SLO; NAME: {', '.join(SLO_NAMES)}")
     p.add_argument("--tokenizer", default=None,
