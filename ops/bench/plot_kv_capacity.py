@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ops.bench.serving.plots import save
+
 # One provider's H200 report (docs/DESIGN.md): output tok/s by concurrency; BF16 KV out of
 # memory past 32; FP8 KV not reported at 32.
 REFERENCE = {"bf16": {1: 137, 8: 731, 16: 1106, 32: 1558},
@@ -59,12 +61,7 @@ def plot(report: dict, path: str | Path, reference: bool = True) -> Path:
         a.set_ylim(bottom=0)
         a.grid(True, alpha=0.3)
         a.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -53,9 +53,14 @@ def plot_runs(runs: dict[str, list[dict]], path: str | Path, title: str = "") ->
             ax.set_ylim(bottom=0)
     if title:
         fig.suptitle(title, fontsize=10)
+    return save(fig, path)
+
+
+def save(fig, path: str | Path) -> Path:
+    """Lay out, write as PNG (folders made), close; the path written."""
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     return out
