@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runtime.errors import InvalidArgument
+from runtime.structured_output import StructuredOutput
 
 # Temperatures below this sample greedily (as in vLLM): dividing logits by a smaller one
 # overflows float32, or underflows the temperature itself to zero.
@@ -32,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Constrained decoding: the output must match this schema, regex or grammar.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists, None and a single stop string, as users of vLLM pass them.
@@ -88,6 +91,9 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or
                                           not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.structured_output is not None and \
+                not isinstance(self.structured_output, StructuredOutput):
+            raise bad("structured_output", "must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:
