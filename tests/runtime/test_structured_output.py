@@ -95,7 +95,7 @@ def _run(llm: LLM, prompts: list[str], params: SamplingParams) -> list[str]:
 
 
 PROMPTS = [f"Request {i}: describe item number {i * 7} " + "with some padding words " * (i % 3)
-           for i in range(6)]
+           for i in range(4)]
 
 
 def test_output_matches_its_schema_under_chunked_prefill_preemption_and_cache_hits(tiny_paths):
@@ -105,9 +105,9 @@ def test_output_matches_its_schema_under_chunked_prefill_preemption_and_cache_hi
     alone = [_run(roomy, [p], params)[0] for p in PROMPTS]
     for text in alone:
         jsonschema.validate(json.loads(text), SMALL_SCHEMA)
-    # 16-token pages of 512 bytes a token: 12 pages for six requests of ~40 tokens each, and
+    # 16-token pages of 512 bytes a token: 8 pages for four requests of ~40 tokens each, and
     # an 8-token step budget that prefills every prompt in chunks.
-    tight = LLM(model=tiny_paths, kv_cache_bytes=12 * 16 * 512, max_num_batched_tokens=8)
+    tight = LLM(model=tiny_paths, kv_cache_bytes=8 * 16 * 512, max_num_batched_tokens=8)
     together = _run(tight, PROMPTS, params)
     assert tight.engine.scheduler.num_preemptions > 0, "the pool never ran short"
     assert together == alone
@@ -120,9 +120,9 @@ def test_seeded_sampling_and_regex_and_lark_are_followed(tiny_paths):
     for so, check in [
         (StructuredOutput("regex", r"(yes|no), [a-z]{1,8}\."),
          lambda t: __import__("re").fullmatch(r"(yes|no), [a-z]{1,8}\.", t)),
-        (StructuredOutput("grammar", 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/'),
-         lambda t: __import__("re").fullmatch(r"\(\d{1,3}(\+\d{1,3})*\)", t)),
-        (StructuredOutput("json_object"), lambda t: isinstance(json.loads(t), dict)),
+        (StructuredOutput("grammar", 'start: "(" NUM ")" | "(" NUM "+" NUM ")"\n'
+                                     "NUM: /[0-9]{1,3}/"),
+         lambda t: __import__("re").fullmatch(r"\(\d{1,3}(\+\d{1,3})?\)", t)),
     ]:
         params = SamplingParams(max_tokens=64, temperature=1.0, seed=3, structured_output=so)
         for text in _run(llm, PROMPTS[:3], params):
