@@ -31,6 +31,7 @@ from gateway.rest.status import GatewayView, ShimStats
 from gateway.rest.upstream import MAX_API_KEY_BYTES, Upstream
 from gateway.wire import MAX_NAME_BYTES
 from runtime.errors import TesseraError, bounded
+from runtime.structured_output import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
 
 STATIC = Path(__file__).parent / "static"
 _HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 408: "REQUEST_TIMEOUT",
@@ -46,13 +47,22 @@ a byte, by default). Bodies are strict: unknown fields and mistyped values are r
 (no coercion of `"0.5"` to a number, and integers are written as such: `2`, not `2.0`), strings
 must be valid UTF-8 (no lone surrogates); OpenAI fields tessera does not implement are
 accepted only at their neutral value (`n: 1`). `top_k` 0 and -1 both mean off. `max_tokens` and
-`max_completion_tokens`, when both are given, must agree.
+`max_completion_tokens`, when both are given, must agree. `role: "tool"` messages need a
+`tool_call_id`; only `assistant` messages carry `tool_calls`. Tools are offered to the model in
+the Hermes format (gateway/rest/tool_calls.py); `tool_choice` `required` or a named function,
+and `response_format` `json_schema` (strict or not) and `json_object`, are enforced by
+constrained decoding.
 
 Refused for reasons this document cannot state (they depend on the model, the key or the
 load): an unknown model (404) or one the key may not use (403); a prompt that does not fit the
 model's context with `max_tokens` (400 `CONTEXT_LENGTH_EXCEEDED`); a prompt that is empty or
 whose token ids are outside the model's vocabulary (400 `INVALID_ARGUMENT`, param `prompt`); a
-conversation the model's chat template refuses (400); a request that alone needs more KV than
+conversation the model's chat template refuses (400); a `response_format` schema or a tool's
+`parameters` that does not compile, is larger than {MAX_SPEC_CHARS} characters or nests more
+than {MAX_SCHEMA_DEPTH} levels, tools with duplicate names, a `tool_choice` naming a function
+not in `tools` or given without tools, a required tool call with a `response_format` (400
+`INVALID_ARGUMENT`, param `response_format`, `tools`, `tool_choice` or `structured_output`,
+the message naming the problem); a request that alone needs more KV than
 its tenant may hold (429 `TENANT_QUOTA_EXCEEDED`, not to be retried); a key that already has
 as many requests running and waiting as it may (429 `TENANT_CONCURRENCY_EXCEEDED` with
 Retry-After); a full server (429 with Retry-After); a server shutting down (503 `UNAVAILABLE`

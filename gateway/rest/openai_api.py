@@ -155,6 +155,7 @@ def _tool_events(parser: ToolCallParser, events: Any, shape: _Shape, stream: Asy
 
 @router.post("/chat/completions", responses={**SSE_OK, **OPENAI_ERRORS})
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    body.check_tools()
     sampling = body.sampling()
     constraint = forcing_grammar(body) or (
         body.response_format.structured_output() if body.response_format else None)
@@ -170,8 +171,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
 @router.post("/completions", responses={**SSE_OK, **OPENAI_ERRORS})
 async def completions(request: Request, body: CompletionRequest) -> Response:
     sampling = body.sampling()
-    if body.response_format is not None and body.response_format.structured_output():
-        sampling["structured_output"] = body.response_format.structured_output()
+    constraint = body.response_format.structured_output() if body.response_format else None
+    if constraint is not None:
+        sampling["structured_output"] = constraint
     stream = open_stream(request, request.app.state.upstream, model=body.model,
                          prompt=body.prompt_value(), sampling=sampling,
                          split_special_tokens=body.split_special_tokens)

@@ -82,10 +82,10 @@ class Message(Strict):
 
     @model_validator(mode="after")
     def _tool_roles(self) -> Message:
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs tool_call_id")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role `tool` needs `tool_call_id`")
         if self.tool_calls and self.role != "assistant":
-            raise ValueError("only an assistant message carries tool_calls")
+            raise ValueError("only a message with role `assistant` carries `tool_calls`")
         return self
 
     def as_dict(self) -> dict[str, Any]:

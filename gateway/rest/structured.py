@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from gateway.rest.strict import Strict, Text
-from runtime.structured_output import StructuredOutput
+from runtime.errors import InvalidArgument
+from runtime.structured_output import InvalidStructuredOutput, StructuredOutput
 
 MAX_TOOLS = 128
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -36,19 +37,21 @@ class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is required with type 'json_schema', and only then")
-        self.structured_output()  # size and nesting: InvalidStructuredOutput is a ValueError
-        return self
-
     def structured_output(self) -> StructuredOutput | None:
+        """The constraint (None for text); InvalidArgument (param `response_format`) when the
+        schema is missing, too large or nested too deeply."""
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise InvalidArgument("response_format: json_schema is required with type "
+                                  "'json_schema', and only then", field="response_format")
         if self.type == "json_object":
             return StructuredOutput("json_object")
-        if self.type == "json_schema" and self.json_schema is not None:
+        if self.json_schema is None:
+            return None
+        try:
             return StructuredOutput("json_schema", schema_text(self.json_schema.schema_ or {}))
-        return None
+        except InvalidStructuredOutput as e:
+            raise InvalidStructuredOutput(f"response_format: {e.message}",
+                                          e.metadata["problem"], "response_format") from None
 
 
 class FunctionDef(Strict):
@@ -92,32 +95,39 @@ class ToolCallIn(Strict):
 
 
 class ToolFields(Strict):
-    """The chat request's tool fields, checked together: names unique, a named choice known."""
+    """The chat request's tool fields. `check_tools` checks them together (names unique, a
+    named choice known, schemas bounded): rules a JSON schema cannot state, refused as 400
+    INVALID_ARGUMENT with param `tools`, `tool_choice` or `response_format`."""
 
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
-    @model_validator(mode="after")
-    def _tools_agree(self) -> ToolFields:
+    def check_tools(self) -> None:
         names = [t.function.name for t in self.tools or ()]
         seen: set[str] = set()
         for name in names:
             if name in seen:
-                raise ValueError(f"tools: duplicate function name {name!r}")
+                raise InvalidArgument(f"tools: duplicate function name {name!r}", field="tools")
             seen.add(name)
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
-            raise ValueError("tool_choice names a function that is not in tools")
+            raise InvalidArgument("tool_choice names a function that is not in tools",
+                                  field="tool_choice")
         if choice is not None and choice != "none" and not names:
-            raise ValueError("tool_choice needs tools")
+            raise InvalidArgument("tool_choice needs tools", field="tool_choice")
         if self.forced_tools() and self.response_format is not None \
                 and self.response_format.type != "text":
-            raise ValueError("response_format cannot be combined with a required tool call")
+            raise InvalidArgument("response_format cannot be combined with a required tool "
+                                  "call", field="response_format")
         for tool in self.tools or ():
-            StructuredOutput.json_schema(tool.function.parameters_schema())  # size and nesting
-        return self
+            try:
+                StructuredOutput.json_schema(tool.function.parameters_schema())
+            except InvalidStructuredOutput as e:
+                raise InvalidStructuredOutput(
+                    f"tools: {tool.function.name}'s parameters: {e.message}",
+                    e.metadata["problem"], "tools") from None
 
     def active_tools(self) -> list[FunctionDef]:
         """The functions the model is told about (none when tool_choice is "none")."""
