@@ -1,11 +1,17 @@
-"""What the OpenAPI document says about responses the routes build by hand: SSE streams and
-the two error bodies, with every status a reason can map to."""
+"""What the OpenAPI document says about responses the routes build by hand (SSE streams and
+the two error bodies, with every status a reason can map to), and `/docs`, the Swagger UI page
+served from the `swagger-ui-bundle` package's own files: it works with no internet (FastAPI's
+default page loads Swagger UI from a CDN)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
 from pydantic import BaseModel
+from starlette.responses import HTMLResponse
+from starlette.staticfiles import StaticFiles
 
 from gateway.rest.errors import HTTP_ERRORS
 
@@ -48,3 +54,22 @@ WORKERS_AI_ERRORS = _errors(WorkersAIError)
 SSE_OK: dict[int | str, dict[str, Any]] = {200: {
     "description": "JSON, or with `stream: true` server-sent events ending in `data: [DONE]`",
     "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def install_docs(app: FastAPI) -> None:
+    """`/docs` and its assets, from the installed swagger-ui-bundle (build the app with
+    `docs_url=None, redoc_url=None` so FastAPI's CDN pages are not also served)."""
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - docs",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
