@@ -46,8 +46,16 @@ most the size limit (else 413), and must keep arriving (408 after {BODY_TIMEOUT_
 a byte, by default). Bodies are strict: unknown fields and mistyped values are refused with 400
 (no coercion of `"0.5"` to a number, and integers are written as such: `2`, not `2.0`), strings
 must be valid UTF-8 (no lone surrogates); OpenAI fields tessera does not implement are
-accepted only at their neutral value (`n: 1`). `top_k` 0 and -1 both mean off. `max_tokens` and
-`max_completion_tokens`, when both are given, must agree.
+refused. `top_k` 0 and -1 both mean off. `max_tokens` and `max_completion_tokens`, when both are
+given, must agree. `n` candidates (1-16; candidate i samples with `seed` + i) share the prompt's
+KV pages; usage counts the prompt once and every candidate's tokens, and streamed chunks name
+their choice's `index`. `logprobs` (chat: `top_logprobs` 0-20 with `logprobs: true`;
+completions: 0-20) are of the model's raw distribution, before penalties and temperature.
+`min_tokens` (vLLM's) holds off EOS, stop token ids and stop strings. `/v1/completions` takes
+up to 16 prompts; choice k * n + i is prompt k's candidate i. `role: "tool"` messages need a
+`tool_call_id`. `/ai/run` renders `prompt` through the model's chat template unless
+`raw: true`. `/health` answers 200 while the gateway serves, else 503; `/docs` needs no
+internet.
 
 Refused for reasons this document cannot state (they depend on the model, the key or the
 load): an unknown model (404) or one the key may not use (403); a prompt that does not fit the
