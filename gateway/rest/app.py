@@ -54,8 +54,8 @@ completions: 0-20) are of the model's raw distribution, before penalties and tem
 `min_tokens` (vLLM's) holds off EOS, stop token ids and stop strings. `/v1/completions` takes
 up to 16 prompts; choice k * n + i is prompt k's candidate i. `role: "tool"` messages need a
 `tool_call_id`. `/ai/run` renders `prompt` through the model's chat template unless
-`raw: true`. `/health` answers 200 while the gateway serves, else 503; `/docs` needs no
-internet.
+`raw: true`. `/health` answers 200 while the gateway serves, else 503; `/docs` and `/redoc`
+need no internet.
 
 Refused for reasons this document cannot state (they depend on the model, the key or the
 load): an unknown model (404) or one the key may not use (403); a prompt that does not fit the
