@@ -1,5 +1,6 @@
 """`/docs` (Swagger UI) and `/redoc` render from files this server serves itself (no CDN: they
-work offline), checked in headless chromium; `/health` on the API port follows the gateway's gRPC health."""
+work offline), checked in headless chromium; `/health` on the API port follows the gateway's
+gRPC health."""
 
 from __future__ import annotations
 
