@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -66,14 +67,14 @@ class _Shape:
 
 async def _serve(request: Request, body: OpenAIRequest, shape: _Shape, route: str,
                  streams: list[AsyncStream]) -> Response:
-    relays: list[Relay] = []
-    try:
-        for stream in streams:  # NOTE: each start waits for its first token (or its error)
-            relays.append(await Relay(stream, request, route).start())
-    except BaseException:
+    relays = [Relay(stream, request, route) for stream in streams]
+    # NOTE: every prompt starts at once; each start waits for its first token (or its error).
+    started = await asyncio.gather(*(r.start() for r in relays), return_exceptions=True)
+    failed = [e for e in started if isinstance(e, BaseException)]
+    if failed:
         for relay in relays:
             relay.close()
-        raise
+        raise failed[0]
     choices = [Choices(shape.chat, shape.logprobs, k * shape.n) for k in range(len(relays))]
     if not body.stream:
         async for k, chunk in merged(relays):
