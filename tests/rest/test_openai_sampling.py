@@ -161,7 +161,8 @@ def test_bad_sampling_input_is_a_typed_400(oai, route, body, param):
 
 def test_the_sdk_streams_candidates_with_logprobs_and_shares_the_prompt_pages(shim):
     with Client(shim.runner.target, api_key=KEYS["acme"], retry=NO_RETRY) as c:
-        stream = c.generate(LONG_PROMPT + " (sdk)", model=MODEL, n=2, seed=5, max_tokens=3,
+        # NOTE: the marker leads, so no earlier test's LONG_PROMPT pages are a prefix of it.
+        stream = c.generate("(sdk) " + LONG_PROMPT, model=MODEL, n=2, seed=5, max_tokens=3,
                             logprobs=1, ignore_eos=True)
         chunks = list(stream)
     assert {ch.index for ch in chunks} == {0, 1}
