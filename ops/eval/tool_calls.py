@@ -1,13 +1,18 @@
 """Tool-call validity per serving format: how often the model, unconstrained, writes a tool call
 that parses and matches its function's schema (the reference's quality metric for agents).
 
-    python3 -m ops.eval.tool_calls --formats fp32 fp8_kv int4_decode [--limit N]
+    python3 -m ops.eval.tool_calls --formats fp32 fp8_kv int4_decode --modes auto opened \
+        [--limit N]
 
 Each of the 60 requests of `ops/eval/tool_prompts.py` is offered three functions and rendered
 exactly as the REST shim renders `tools` with `tool_choice: "auto"` (the Hermes format of
 `gateway/rest/tool_calls.py`, through the model's chat template); the model answers greedily,
-with no constrained decoding, up to `--max-tokens` tokens or its first `</tool_call>`. The
-shim's own parser reads the answer. A request scores:
+with no constrained decoding, up to `--max-tokens` tokens or its first `</tool_call>`. Two
+modes: `auto`, the answer as the model begins it (it may answer in text: "no call"); `opened`,
+the assistant turn already begins with `<tool_call>\n` (a prompt prefix, as a client continuing
+its final message would send; decoding stays unconstrained), which measures what the metric is
+about, whether the call the model writes is valid, on a model that seldom opens one itself. The
+shim's own parser reads the answer (with the prefix, in `opened` mode). A request scores:
 
   - valid: at least one `<tool_call>` block, and every block parsed into a call of an offered
     function whose arguments are a JSON object valid for its parameters (jsonschema, Draft
@@ -102,33 +107,48 @@ def conversations() -> list[tuple[list[dict[str, str]], list[str], str]]:
     return out
 
 
+OPENED = "<tool_call>\n"
+
+
 def run_format(name: str, kwargs: dict[str, Any], convs: list[Any], max_tokens: int,
-               ) -> dict[str, Any]:
-    from runtime import LLM, SamplingParams
+               modes: list[str]) -> list[dict[str, Any]]:
+    """Load one format and score every request in each mode."""
+    from runtime import LLM
 
     start = time.perf_counter()
     llm = LLM(**kwargs)
-    loaded = time.perf_counter()
+    load_s = time.perf_counter() - start
+    results = [run_mode(llm, convs, max_tokens, mode) for mode in modes]
+    for r in results:
+        r.update(format=name, kwargs=kwargs, served=str(llm.serving_formats), load_s=load_s)
+    return results
+
+
+def run_mode(llm: Any, convs: list[Any], max_tokens: int, mode: str) -> dict[str, Any]:
+    from runtime import SamplingParams
+
+    start = time.perf_counter()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["</tool_call>"],
                             include_stop_str_in_output=True)
-    outputs = llm.chat([messages for messages, _, _ in convs], params)
-    done = time.perf_counter()
+    tok = llm.tokenizer
+    prefix = tok.encode(OPENED, add_special_tokens=False) if mode == "opened" else []
+    outputs = llm.generate([tok.encode_chat(messages) + prefix for messages, _, _ in convs],
+                           params)
+    generate_s = time.perf_counter() - start
     rows = []
     for (_, names, expected), out in zip(convs, outputs, strict=True):
-        text = out.outputs[0].text
+        text = (OPENED if mode == "opened" else "") + out.outputs[0].text
         s = score(text, names, expected)
         rows.append({"expected": expected, "offered": names, "outcome": s.outcome,
                      "right_function": s.right_function, "detail": s.detail, "text": text})
     n = len(rows)
     valid = sum(r["outcome"] == "valid" for r in rows)
     right = sum(r["right_function"] for r in rows)
-    formats = llm.serving_formats
-    del llm
-    return {"format": name, "kwargs": kwargs, "served": str(formats), "requests": n,
+    return {"mode": mode, "requests": n,
             "counts": {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES},
             "validity": valid / n, "validity_ci": wilson(valid, n),
             "right_function": right / n, "right_function_ci": wilson(right, n),
-            "load_s": loaded - start, "generate_s": done - loaded, "rows": rows}
+            "generate_s": generate_s, "rows": rows}
 
 
 def changed(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, int]:
@@ -141,15 +161,17 @@ def changed(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, int]:
 
 def markdown(report: dict[str, Any]) -> str:
     results = report["results"]
-    lines = ["| format | validity [95% Wilson] | valid / invalid / no call | right function "
-             "[95% Wilson] | vs first: lost / gained | generate s |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| mode | format | validity [95% Wilson] | valid / invalid / no call | right "
+             "function [95% Wilson] | vs the mode's first format: lost / gained | generate s |",
+             "|---|---|---|---|---|---|---|"]
+    first = {}
     for r in results:
+        first.setdefault(r["mode"], r)
         lo, hi = r["validity_ci"]
         rlo, rhi = r["right_function_ci"]
         c = r["counts"]
-        lost, gained = changed(results[0], r)
-        lines.append(f"| {r['format']} | {r['validity']:.3f} [{lo:.3f}, {hi:.3f}] | "
+        lost, gained = changed(first[r["mode"]], r)
+        lines.append(f"| {r['mode']} | {r['format']} | {r['validity']:.3f} [{lo:.3f}, {hi:.3f}] | "
                      f"{c['valid']} / {c['invalid']} / {c['no_call']} | "
                      f"{r['right_function']:.3f} [{rlo:.3f}, {rhi:.3f}] | {lost} / {gained} | "
                      f"{r['generate_s']:.0f} |")
@@ -160,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m ops.eval.tool_calls", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    ap.add_argument("--modes", nargs="+", choices=["auto", "opened"], default=["opened"])
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=None, help="only the first N requests")
     ap.add_argument("--out", default="ops/eval/out/tool_calls.json")
@@ -167,15 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     convs = conversations()[: args.limit]
     results = []
     for name in args.formats:
-        results.append(run_format(name, FORMATS[name], convs, args.max_tokens))
-        r = results[-1]
-        print(f"{name}: validity {r['validity']:.3f} {r['counts']} "
-              f"({r['generate_s']:.0f} s)", flush=True)
+        for r in run_format(name, FORMATS[name], convs, args.max_tokens, args.modes):
+            results.append(r)
+            print(f"{name} {r['mode']}: validity {r['validity']:.3f} {r['counts']} "
+                  f"({r['generate_s']:.0f} s)", flush=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": platform.processor() or platform.machine(),
               "max_tokens": args.max_tokens, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
+    results.sort(key=lambda r: args.modes.index(r["mode"]))  # stable: formats in order
     print(markdown(report))
     return 0
 

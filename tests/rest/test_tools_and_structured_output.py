@@ -9,7 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from runtime.structured_output import MAX_SCHEMA_DEPTH
+from gateway.client import Client
+from runtime.errors import InvalidArgument
+from runtime.structured_output import MAX_SCHEMA_DEPTH, StructuredOutput
 from tests.rest.conftest import KEYS, MODEL, Shim
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -98,26 +100,45 @@ def _check_call(call, name: str) -> dict:
     return args
 
 
-def test_tool_call_round_trip_named_then_the_result_answered(oai) -> None:
+def _answer_turn(question: list[dict], call) -> list[dict]:
+    """The conversation sent back: the question, the assistant's call, the tool's result."""
+    return [*question, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id,
+         "content": json.dumps({"temperature": 18, "sky": "sunny"})}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_call_round_trip_call_then_result_then_answer(oai, stream) -> None:
     question = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-    first = oai.chat.completions.create(
-        model=MODEL, messages=question, tools=TOOLS, max_tokens=48, temperature=0,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    if stream:  # the openai helper accumulates the streamed deltas into a completion
+        with oai.chat.completions.stream(model=MODEL, messages=question, tools=TOOLS,
+                                         tool_choice=named, max_tokens=48,
+                                         temperature=0) as events:
+            first = events.get_final_completion()
+    else:
+        first = oai.chat.completions.create(model=MODEL, messages=question, tools=TOOLS,
+                                            tool_choice=named, max_tokens=48, temperature=0)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
     _check_call(call, "get_weather")
-    turn = [*question, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": call.id, "type": "function",
-         "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
-        {"role": "tool", "tool_call_id": call.id,
-         "content": json.dumps({"temperature": 18, "sky": "sunny"})}]
-    final = oai.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS,
-                                        tool_choice="none", max_tokens=24, temperature=0)
-    answer = final.choices[0]
-    assert answer.message.content and not answer.message.tool_calls
-    assert answer.finish_reason in ("stop", "length")
+    kwargs = dict(model=MODEL, messages=_answer_turn(question, call), tools=TOOLS,
+                  tool_choice="none", max_tokens=24, temperature=0)
+    if stream:
+        chunks = list(oai.chat.completions.create(**kwargs, stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        answer = oai.chat.completions.create(**kwargs).choices[0]
+        content, finish = answer.message.content, answer.finish_reason
+        assert not answer.message.tool_calls
+    assert content and content.strip()
+    assert finish in ("stop", "length")
 
 
 def test_streamed_required_tool_call_arrives_as_openai_deltas(oai) -> None:
@@ -142,13 +163,16 @@ def test_streamed_required_tool_call_arrives_as_openai_deltas(oai) -> None:
         jsonschema.validate(json.loads(e["arguments"]), PARAMS[e["name"]])
 
 
-def test_tool_call_stream_with_the_openai_helper_accumulates(oai) -> None:
-    with oai.chat.completions.stream(
-            model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
-            tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-            max_tokens=48, temperature=0) as stream:
-        done = stream.get_final_completion()
-    _check_call(done.choices[0].message.tool_calls[0], "get_weather")
+def test_grpc_sdk_takes_a_regex_and_refuses_a_bad_one_typed(shim) -> None:
+    with Client(shim.runner.target, api_key=KEYS["acme"]) as client:
+        text = "".join(c.text for c in client.generate(
+            "Answer yes or no:", model=MODEL, max_tokens=16, temperature=0,
+            structured_output=StructuredOutput("regex", r"(yes|no)\.")))
+        assert text in ("yes.", "no.")
+        with pytest.raises(InvalidArgument) as info:
+            list(client.generate("Hi", model=MODEL, max_tokens=4,
+                                 structured_output=StructuredOutput("regex", "[a-")))
+        assert info.value.metadata.get("field") == "structured_output"
 
 
 DEEP = {"type": "object", "properties": {"a": {}}}
@@ -156,29 +180,54 @@ for _ in range(MAX_SCHEMA_DEPTH):
     DEEP = {"type": "array", "items": DEEP}
 
 
-@pytest.mark.parametrize(("body", "names"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {
+BAD_PARAMETERS = {"type": "object", "properties": {"x": {"type": "strin"}}}
+BAD = [  # (route, body, param, words the message must hold)
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}},
-     "json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}},
-     "nested too deeply"),
-    ({"response_format": {"type": "json_schema", "json_schema": {
+     "structured_output", "json_schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": DEEP}}}, "response_format", "nested too deeply"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "description": "x" * 40_000}}}},
-     "too large"),
-    ({"tools": [WEATHER, WEATHER]}, "duplicate function name"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "not in tools"),
-    ({"tool_choice": "required"}, "needs tools"),
-])
-def test_bad_schemas_and_tools_are_a_typed_400_and_harm_nothing(oai, body, names) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=MODEL, max_tokens=4,
-                                    messages=[{"role": "user", "content": "Hi"}],
-                                    extra_body=body)
-    error = info.value.body
-    assert info.value.status_code == 400
-    assert names in error["message"], error
-    assert error["code"] == "invalid_argument"
-    ok = oai.chat.completions.create(model=MODEL, max_tokens=2,
-                                     messages=[{"role": "user", "content": "Hi"}])
-    assert ok.choices[0].finish_reason in ("stop", "length")
+     "response_format", "too large"),
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format",
+     "json_schema is required"),
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": DEEP}}}, "response_format", "nested too deeply"),
+    ("chat", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": BAD_PARAMETERS}}], "tool_choice": "required"},
+     "structured_output", "invalid grammar"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]},
+     "tools", "nested too deeply"),
+    ("chat", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "description": "x" * 40_000}}}]},
+     "tools", "too large"),
+    ("chat", {"tools": [WEATHER, WEATHER]}, "tools", "duplicate function name"),
+    ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "not in tools"),
+    ("chat", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+]
+
+
+def test_bad_schemas_and_tools_are_typed_400s_and_harm_nothing_in_flight(oai) -> None:
+    """Every refusal is a 400 naming its param and problem while a greedy request streams on
+    the same worker; that request ends exactly as it does alone."""
+    ask = dict(model=MODEL, max_tokens=96, temperature=0, extra_body={"ignore_eos": True})
+    alone = oai.completions.create(prompt="Once upon a time", **ask).choices[0].text
+    running = iter(oai.completions.create(prompt="Once upon a time", stream=True, **ask))
+    pieces = [next(running).choices[0].text]
+    for route, body, param, words in BAD:
+        with pytest.raises(openai.BadRequestError) as info:
+            if route == "chat":
+                oai.chat.completions.create(model=MODEL, max_tokens=4, extra_body=body,
+                                            messages=[{"role": "user", "content": "Hi"}])
+            else:
+                oai.completions.create(model=MODEL, max_tokens=4, prompt="Hi",
+                                       extra_body=body)
+        error = info.value.body
+        assert info.value.status_code == 400
+        assert (error["code"], error["param"]) == ("invalid_argument", param), error
+        assert words in error["message"], error
+        assert len(error["message"]) < 400  # never echoes the schema
+    pieces += [c.choices[0].text for c in running]
+    assert "".join(pieces) == alone
