@@ -212,7 +212,7 @@ BAD = [  # (route, body, param, words the message must hold)
 def test_bad_schemas_and_tools_are_typed_400s_and_harm_nothing_in_flight(oai) -> None:
     """Every refusal is a 400 naming its param and problem while a greedy request streams on
     the same worker; that request ends exactly as it does alone."""
-    ask = dict(model=MODEL, max_tokens=96, temperature=0, extra_body={"ignore_eos": True})
+    ask = dict(model=MODEL, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
     alone = oai.completions.create(prompt="Once upon a time", **ask).choices[0].text
     running = iter(oai.completions.create(prompt="Once upon a time", stream=True, **ask))
     pieces = [next(running).choices[0].text]
