@@ -86,6 +86,12 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]
     if tie_word_embeddings or "lm_head.weight" not in state:
         if "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    check_state(state, {k: v.shape for k, v in expected.items()})
+    model.load_state_dict(state, assign=True, strict=True)
+
+
+def check_state(state: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:
+    """Refuse a state that lacks, adds or misshapes any of the `expected` tensors."""
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelLoadError(f"checkpoint is missing tensor {missing[0]} "
@@ -93,10 +99,9 @@ def load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]
     for key, tensor in state.items():
         if key not in expected:
             raise ModelLoadError(f"checkpoint has unexpected tensor {key}", tensor=key)
-        if tuple(tensor.shape) != tuple(expected[key].shape):
+        if tuple(tensor.shape) != tuple(expected[key]):
             raise ModelLoadError(f"tensor {key} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(expected[key].shape)}", tensor=key)
-    model.load_state_dict(state, assign=True, strict=True)
+                                 f"expected {tuple(expected[key])}", tensor=key)
 
 
 def _assemble(target: str, pieces: dict[tuple[int, int], torch.Tensor], num_parts: int,
