@@ -140,8 +140,13 @@ class EngineConfig:
     decode_weights: str = "auto"
     weight_group_size: int = 128
     weight_symmetric: bool = True
+    # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise InvalidArgument(f"tensor_parallel_size must be a positive integer, got "
+                                  f"{self.tensor_parallel_size!r}", field="tensor_parallel_size")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise InvalidArgument(f"page_size must be a power of two, got {self.page_size}",
                                   field="page_size")
