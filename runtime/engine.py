@@ -96,7 +96,7 @@ class LLMEngine:
             self.prefix_cache)
         self.runner = ModelRunner(self.prefill_model, self.decode_model, self.kv_cache,
                                   self.device)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
         self.tracker = TRACKERS[config.integrity](self.pool)
         if self.tp is not None:
             self.tracker = TensorParallelIntegrityTracker(self.tracker, self.tp)
@@ -208,6 +208,9 @@ class LLMEngine:
         (`tokenize_prompt`, off the engine thread) may bring their text as `prompt_text`."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be a SamplingParams", field="params")
+        if params.n != 1:  # one sequence per request: runtime.candidates fans n out
+            raise InvalidArgument("add_request takes n = 1; fan candidates out with "
+                                  "runtime.candidates", field="n")
         if request_id in self.requests:
             raise InvalidArgument(f"request id {request_id!r} is already in flight",
                                   field="request_id")
@@ -225,7 +228,8 @@ class LLMEngine:
         seq.shared_namespace, seq.shared_pages = self._shared_prefix_for(tenant, ids)
         seq.state = RequestState(
             IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                   params.include_stop_str_in_output, params.skip_special_tokens),
+                                   params.include_stop_str_in_output, params.skip_special_tokens,
+                                   params.min_tokens),
             None if params.seed is None else torch.Generator().manual_seed(params.seed))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
