@@ -134,13 +134,15 @@ def test_tag_mismatch_on_one_rank_aborts_the_sequence_on_both(ranks, llm):
     assert faults[0]["num_free_pages"] == faults[1]["num_free_pages"]
 
 
-def test_tensor_parallel_size_is_checked_before_any_weight_is_read():
+def test_tensor_parallel_size_is_checked_before_any_weight_is_read(llm):
     from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
     from runtime.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="tensor_parallel_size must be a positive"):
         EngineConfig(tensor_parallel_size=0)
+    checkpoint = llm.engine.checkpoint  # already open: only the engine's checks run
     with pytest.raises(InvalidArgument, match=r"needs torch\.distributed initialized"):
-        LLM(tensor_parallel_size=2)  # no process group in this process
+        LLMEngine(checkpoint, EngineConfig(tensor_parallel_size=2))  # no group in this process
     with pytest.raises(InvalidArgument, match="float weights only"):
-        LLM(tensor_parallel_size=2, decode_weights="int4")
+        LLMEngine(checkpoint, EngineConfig(tensor_parallel_size=2, decode_weights="int4"))
