@@ -10,6 +10,7 @@ import torch
 
 from runtime.config import EngineConfig, ModelConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.distributed import TensorParallel, TensorParallelIntegrityTracker
 from runtime.errors import (
     ContextLengthExceeded,
     InvalidArgument,
@@ -74,10 +75,13 @@ class LLMEngine:
             prefill_kv_cache_dtype=config.prefill_kv_cache_dtype,
             group_size=config.weight_group_size, symmetric=config.weight_symmetric,
             checkpoint_format=checkpoint.quantization)
+        self.tp = self._join_tensor_parallel()
         self.prefill_model, self.decode_model = self._build_models()
         # NOTE: colocated, KV is written in the decode phase's format whoever writes it.
         spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.formats.kv)
         num_pages = spec.pages_in(config.kv_cache_bytes)
+        if self.tp is not None:  # this rank's heads; the same page count on every rank
+            spec, num_pages = self.tp.shard_kv_spec(spec, config.kv_cache_bytes)
         if num_pages < 1:
             raise InvalidArgument(f"kv_cache_bytes={config.kv_cache_bytes} holds no page of "
                                   f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
@@ -95,6 +99,8 @@ class LLMEngine:
                                   self.device)
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
         self.tracker = TRACKERS[config.integrity](self.pool)
+        if self.tp is not None:
+            self.tracker = TensorParallelIntegrityTracker(self.tracker, self.tp)
         self.requests: dict[str, Sequence] = {}
         # namespace -> (prefix token ids, tenants allowed to share it)
         self.shared_prefixes: dict[str, tuple[list[int], frozenset[str]]] = {}
@@ -118,6 +124,10 @@ class LLMEngine:
             model = model_class(self.model_config)(self.model_config)
         stored = self.checkpoint.quantization
         model.load_weights(self.checkpoint.tensors(), self.dtype, quantization=stored)
+        if self.tp is not None:
+            from runtime.models.tensor_parallel import shard_model
+
+            shard_model(model, self.tp)
         base = model.to(self.device).eval()
         if stored is not None:
             return base, base  # served as stored (ServingFormats refuses anything else)
@@ -127,6 +137,20 @@ class LLMEngine:
         if self.formats.shares_weights:
             return prefill, prefill
         return prefill, convert_model(base, self.formats.decode.weights)
+
+    def _join_tensor_parallel(self) -> TensorParallel | None:
+        """This rank's place in the launcher's process group, or None for one process."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return None
+        stored = self.checkpoint.quantization
+        quantized = [p.weights.label for p in (self.formats.prefill, self.formats.decode)
+                     if p.weights.name in ("fp8", "int4")]
+        if stored is not None or quantized:
+            raise InvalidArgument("tensor parallelism serves float weights only for now, not "
+                                  f"{stored.label if stored is not None else quantized[0]}",
+                                  field="tensor_parallel_size")
+        return TensorParallel.join(size)
 
     @property
     def model(self) -> torch.nn.Module:
