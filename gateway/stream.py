@@ -16,6 +16,7 @@ from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway.errors import from_rpc_error, retry_delay_s
 from gateway.wire import ServedInfo
 from runtime.errors import RequestCancelled, TesseraError
+from runtime.structured_output import StructuredOutput
 
 
 class Sampling(TypedDict, total=False):
@@ -33,6 +34,7 @@ class Sampling(TypedDict, total=False):
     stop: str | list[str]
     stop_token_ids: list[int]
     ignore_eos: bool
+    structured_output: StructuredOutput  # constrained decoding: a schema, regex or grammar
     n: int  # candidates (1..16); candidate i samples with seed + i when seeded
     logprobs: int  # logprobs of each token and of this many top tokens (0..20)
     min_tokens: int  # no EOS, stop token id or stop string before this many tokens

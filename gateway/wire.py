@@ -9,6 +9,7 @@ from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from runtime.errors import InvalidArgument
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
+from runtime.structured_output import StructuredOutput
 
 # The metadata key (gRPC) and header (HTTP) that pins a client's requests to one worker.
 SESSION_HEADER = "x-session-affinity"
@@ -51,16 +52,35 @@ def sampling_params(opts: pb.SamplingOptions) -> SamplingParams:
     kwargs.setdefault("max_tokens", None)
     if kwargs["max_tokens"] == 0:
         raise InvalidArgument("max_tokens must be at least 1, got 0", field="max_tokens")
+    if opts.HasField("structured_output"):
+        kwargs["structured_output"] = structured_output(opts.structured_output)
     return SamplingParams(stop=tuple(opts.stop), stop_token_ids=tuple(opts.stop_token_ids),
                           ignore_eos=opts.ignore_eos, **kwargs)
 
 
+def structured_output(msg: pb.StructuredOutput) -> StructuredOutput:
+    """The wire's oneof to the domain value (which checks size and nesting)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        raise InvalidArgument("structured_output names no kind", field="structured_output")
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))
+
+
+def structured_output_message(so: StructuredOutput) -> pb.StructuredOutput:
+    if so.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    return pb.StructuredOutput(**{so.kind: so.spec})
+
+
 def sampling_options(**kwargs: Any) -> pb.SamplingOptions:
     """SDK side: keyword sampling arguments (None = engine default) to the wire message."""
-    unknown = set(kwargs) - {*_OPTIONAL_FIELDS, "stop", "stop_token_ids", "ignore_eos"}
+    unknown = set(kwargs) - {*_OPTIONAL_FIELDS, "stop", "stop_token_ids", "ignore_eos",
+                             "structured_output"}
     if unknown:
         raise TypeError(f"unknown sampling options: {sorted(unknown)}")
     fields = {k: v for k, v in kwargs.items() if v is not None}
+    if "structured_output" in fields:
+        fields["structured_output"] = structured_output_message(fields["structured_output"])
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
     return pb.SamplingOptions(**fields)

@@ -18,6 +18,7 @@ from runtime.errors import (
     TenantQuotaExceeded,
     TesseraError,
 )
+from runtime.grammar import GrammarCompiler
 from runtime.integrity import TRACKERS, Violation
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
@@ -104,6 +105,8 @@ class LLMEngine:
         # namespace -> (prefix token ids, tenants allowed to share it)
         self.shared_prefixes: dict[str, tuple[list[int], frozenset[str]]] = {}
         self.eos_ids = set(self.model_config.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                        sorted(self.eos_ids))
         log.info("engine ready: %s, %d pages of %d tokens: %d tokens of %s KV at %d bytes each; "
                  "prefill weights %s, decode weights %s", checkpoint.revision, num_pages,
                  config.page_size, self.kv_capacity_tokens, self.formats.kv.name,
@@ -224,13 +227,16 @@ class LLMEngine:
                 f"(prompt and output together)", prompt_tokens=len(ids),
                 max_model_len=self.max_model_len)
         max_tokens = self._resolve_max_tokens(len(ids), params.max_tokens, tenant)
+        so = params.structured_output
+        grammar = None if so is None else self.grammars.matcher(so)
         seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text, max_tokens=max_tokens)
         seq.shared_namespace, seq.shared_pages = self._shared_prefix_for(tenant, ids)
         seq.state = RequestState(
             IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                    params.include_stop_str_in_output, params.skip_special_tokens,
                                    params.min_tokens),
-            None if params.seed is None else torch.Generator().manual_seed(params.seed))
+            None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            grammar=grammar)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -285,6 +291,7 @@ class LLMEngine:
         """Run one short request through prefill and decode (and every format's path), so
         native ops are built or loaded and first-use costs are paid before any client waits.
         Shorter than a page: it leaves nothing in the prefix cache."""
+        self.grammars.prepare()
         rid = "__warm_up__"
         prompt = list(range(1, min(4, self.pool.page_size - 2) + 1))
         self.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0,
@@ -331,10 +338,12 @@ class LLMEngine:
                 return failed
         try:
             samplers, logits = self.runner.execute(batch)
+            states = [_state(s.seq) for s in samplers]
             sampled = self.sampler(
                 logits, [s.seq.params for s in samplers],
                 [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in samplers],
-                [_state(s.seq).generator for s in samplers])
+                [st.generator for st in states],
+                self.grammars.fill_masks([st.grammar for st in states]))
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step failed; failing its %d requests", len(batch.scheduled))
             err = TesseraError(f"internal error during step: {type(e).__name__}")
@@ -375,9 +384,13 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Whether the token just sampled ends the sequence ("stop", "length"), or None."""
-        detok = _state(seq).detok
+        state = _state(seq)
+        detok = state.detok
         detok.add_token(token)
         p = seq.params
+        if state.grammar is not None and not state.grammar.accept(token):
+            seq.error = TesseraError(f"constrained decoding failed: {state.grammar.error}")
+            return "error"
         if token in p.stop_token_ids:
             seq.stop_reason = token
             return "stop"
@@ -386,6 +399,8 @@ class LLMEngine:
         if detok.stopped_on is not None:
             seq.stop_reason = detok.stopped_on
             return "stop"
+        if state.grammar is not None and state.grammar.is_stopped:
+            return "stop"  # the grammar is complete: nothing but EOS could follow
         if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

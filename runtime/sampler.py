@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.grammar import TokenMasks, apply_token_masks
 from runtime.sampling_params import SamplingParams
 
 
@@ -29,10 +30,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  histories: list[tuple[list[int], list[int]]],
-                 generators: list[torch.Generator | None]) -> SamplerOutput:
-        # logits: [rows, vocab]; histories: (prompt ids, output ids) per row
+                 generators: list[torch.Generator | None],
+                 masks: TokenMasks | None = None) -> SamplerOutput:
+        # logits: [rows, vocab]; histories: (prompt ids, output ids) per row; masks: the
+        # constrained rows' allowed tokens (logprobs stay those of the unconstrained model)
         logits = logits.float()
         raw = logits
+        if masks is not None:
+            logits = apply_token_masks(logits.clone(), masks)
         if any(p.min_tokens for p in params):
             logits = self._mask_stops(logits, params, histories)
         if any(p.uses_penalties for p in params):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runtime.errors import InvalidArgument
+from runtime.structured_output import StructuredOutput
 
 # Temperatures below this sample greedily (as in vLLM): dividing logits by a smaller one
 # overflows float32, or underflows the temperature itself to zero.
@@ -39,6 +40,8 @@ class SamplingParams:
     n: int = 1
     # EOS and stop token ids are masked, and stop strings not checked, before this many tokens.
     min_tokens: int = 0
+    # Constrained decoding: the output must match this schema, regex or grammar.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists, None and a single stop string, as users of vLLM pass them.
@@ -101,6 +104,9 @@ class SamplingParams:
             raise bad("min_tokens", "must be a non-negative integer")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
+        if self.structured_output is not None and \
+                not isinstance(self.structured_output, StructuredOutput):
+            raise bad("structured_output", "must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:

@@ -32,6 +32,7 @@ from gateway.rest.status import GatewayView, ShimStats
 from gateway.rest.upstream import MAX_API_KEY_BYTES, Upstream
 from gateway.wire import MAX_NAME_BYTES
 from runtime.errors import TesseraError, bounded
+from runtime.structured_output import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
 
 STATIC = Path(__file__).parent / "static"
 _HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 408: "REQUEST_TIMEOUT",
@@ -53,7 +54,10 @@ their choice's `index`. `logprobs` (chat: `top_logprobs` 0-20 with `logprobs: tr
 completions: 0-20) are of the model's raw distribution, before penalties and temperature.
 `min_tokens` (vLLM's) holds off EOS, stop token ids and stop strings. `/v1/completions` takes
 up to 16 prompts; choice k * n + i is prompt k's candidate i. `role: "tool"` messages need a
-`tool_call_id`. `/ai/run` renders `prompt` through the model's chat template unless
+`tool_call_id`; only `assistant` messages carry `tool_calls`. Tools are offered to the model in
+the Hermes format (gateway/rest/tool_calls.py); `tool_choice` `required` or a named function,
+and `response_format` `json_schema` (strict or not) and `json_object`, are enforced by
+constrained decoding. `/ai/run` renders `prompt` through the model's chat template unless
 `raw: true`. `/health` answers 200 while the gateway serves, else 503; `/docs` and `/redoc`
 need no internet.
 
@@ -61,7 +65,12 @@ Refused for reasons this document cannot state (they depend on the model, the ke
 load): an unknown model (404) or one the key may not use (403); a prompt that does not fit the
 model's context with `max_tokens` (400 `CONTEXT_LENGTH_EXCEEDED`); a prompt that is empty or
 whose token ids are outside the model's vocabulary (400 `INVALID_ARGUMENT`, param `prompt`); a
-conversation the model's chat template refuses (400); a request that alone needs more KV than
+conversation the model's chat template refuses (400); a `response_format` schema or a tool's
+`parameters` that does not compile, is larger than {MAX_SPEC_CHARS} characters or nests more
+than {MAX_SCHEMA_DEPTH} levels, tools with duplicate names, a `tool_choice` naming a function
+not in `tools` or given without tools, a required tool call with a `response_format` (400
+`INVALID_ARGUMENT`, param `response_format`, `tools`, `tool_choice` or `structured_output`,
+the message naming the problem); a request that alone needs more KV than
 its tenant may hold (429 `TENANT_QUOTA_EXCEEDED`, not to be retried); a key that already has
 as many requests running and waiting as it may (429 `TENANT_CONCURRENCY_EXCEEDED` with
 Retry-After); a full server (429 with Retry-After); a server shutting down (503 `UNAVAILABLE`

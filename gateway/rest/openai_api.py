@@ -17,6 +17,7 @@ from gateway.rest.docs import OPENAI_ERRORS, SSE_OK
 from gateway.rest.errors import openai_error_body
 from gateway.rest.relay import SSE_DONE, SSE_HEADERS, Relay, merged, sse
 from gateway.rest.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from gateway.rest.tool_calls import forcing_grammar, render_messages
 from gateway.rest.upstream import api_key, fingerprint, open_stream, served_header
 from runtime.errors import TesseraError
 
@@ -40,8 +41,10 @@ def usage_body(*streams: AsyncStream) -> dict[str, Any] | None:
 class _Shape:
     """What differs between chat and text completions: ids, object names, the envelope."""
 
-    def __init__(self, chat: bool, body: OpenAIRequest) -> None:
+    def __init__(self, chat: bool, body: OpenAIRequest,
+                 tool_names: set[str] | None = None) -> None:
         self.chat, self.model, self.n = chat, body.model, body.n
+        self.tool_names = tool_names or set()  # parse tool calls out of the text when set
         self.logprobs = body.logprob_count() is not None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -75,7 +78,8 @@ async def _serve(request: Request, body: OpenAIRequest, shape: _Shape, route: st
         for relay in relays:
             relay.close()
         raise failed[0]
-    choices = [Choices(shape.chat, shape.logprobs, k * shape.n) for k in range(len(relays))]
+    choices = [Choices(shape.chat, shape.logprobs, k * shape.n, shape.tool_names)
+               for k in range(len(relays))]
     if not body.stream:
         async for k, chunk in merged(relays):
             choices[k].add(chunk)
@@ -103,8 +107,7 @@ async def _events(relays: list[Relay], choices: list[Choices], shape: _Shape,
                          "logprobs": None, "finish_reason": None})
     try:
         async for k, chunk in merged(relays):
-            choice = choices[k].add(chunk)
-            if choice is not None:
+            for choice in choices[k].add(chunk):
                 yield event(choice)
     except TesseraError as e:  # after the status line: the error travels as an event
         yield sse(openai_error_body(e))
@@ -116,15 +119,27 @@ async def _events(relays: list[Relay], choices: list[Choices], shape: _Shape,
 
 @router.post("/chat/completions", responses={**SSE_OK, **OPENAI_ERRORS})
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    body.check_tools()
+    sampling = body.sampling()
+    constraint = forcing_grammar(body) or (
+        body.response_format.structured_output() if body.response_format else None)
+    if constraint is not None:
+        sampling["structured_output"] = constraint
+    messages = render_messages([m.as_dict() for m in body.messages], body)
     stream = open_stream(request, request.app.state.upstream, model=body.model,
-                         messages=[m.as_dict() for m in body.messages], sampling=body.sampling())
-    return await _serve(request, body, _Shape(True, body), "chat", [stream])
+                         messages=messages, sampling=sampling)
+    tool_names = {f.name for f in body.active_tools()}
+    return await _serve(request, body, _Shape(True, body, tool_names), "chat", [stream])
 
 
 @router.post("/completions", responses={**SSE_OK, **OPENAI_ERRORS})
 async def completions(request: Request, body: CompletionRequest) -> Response:
+    sampling = body.sampling()
+    constraint = body.response_format.structured_output() if body.response_format else None
+    if constraint is not None:
+        sampling["structured_output"] = constraint
     streams = [open_stream(request, request.app.state.upstream, model=body.model, prompt=p,
-                           sampling=body.sampling(),
+                           sampling=sampling,
                            split_special_tokens=body.split_special_tokens)
                for p in body.prompt_values()]
     return await _serve(request, body, _Shape(False, body), "completions", streams)

@@ -10,7 +10,8 @@ document says what is accepted; so are a non-empty conversation and exactly one 
 value, so a client never gets a silently different answer. `n` (up to MAX_CANDIDATES, where
 OpenAI allows 128: each candidate holds its own KV pages past the prompt), `logprobs` /
 `top_logprobs` (chat: `top_logprobs` needs `logprobs: true`, as OpenAI rules) and vLLM's
-`min_tokens` are served; `/v1/completions` takes up to MAX_PROMPTS prompts.
+`min_tokens` are served; `/v1/completions` takes up to MAX_PROMPTS prompts. Tools and
+`response_format` are gateway/rest/structured.py's.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
     model_validator,
 )
 
+from gateway.rest.strict import Strict, Text, utf8
+from gateway.rest.structured import ResponseFormat, ToolCallIn, ToolFields
 from runtime.sampling_params import (
     MAX_CANDIDATES,
     MAX_LOGPROBS,
@@ -41,26 +42,13 @@ F32_MAX = 3.4028234663852886e38
 F32_MIN_POSITIVE = 2.0**-149  # the wire's float32 rounds anything smaller to 0
 
 
-def _utf8(value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("must be valid UTF-8 (no lone surrogates)") from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
 Float = Annotated[float, Field(allow_inf_nan=False, ge=-F32_MAX, le=F32_MAX)]
 Positive = Annotated[Float, Field(ge=F32_MIN_POSITIVE)]
 MaxTokens = Annotated[int, Field(ge=1, le=U32)]
 Penalty = Annotated[Float, Field(ge=-2, le=2)]
-NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_utf8)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(utf8)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(utf8)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Sampling(Strict):
@@ -97,23 +85,28 @@ class Message(Strict):
     role: Text
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    tool_call_id: Text | None = None  # role "tool": the call whose result this is
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls, sent back
+    tool_call_id: Text | None = None  # a `role: "tool"` result answers this call
 
     @model_validator(mode="after")
-    def _tool_answers_a_call(self) -> Message:
+    def _tool_roles(self) -> Message:
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a message with role `tool` needs `tool_call_id`")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only a message with role `assistant` carries `tool_calls`")
         return self
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        msg = {"role": self.role, "content": content}
+        msg: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_call_id:
             msg["tool_call_id"] = self.tool_call_id
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return msg
 
 
@@ -145,7 +138,7 @@ class OpenAIRequest(Sampling):
 Messages = Annotated[list[Message], Field(min_length=1)]
 
 
-class ChatCompletionRequest(OpenAIRequest):
+class ChatCompletionRequest(OpenAIRequest, ToolFields):
     messages: Messages
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
@@ -178,6 +171,7 @@ Prompt = NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1,
 
 class CompletionRequest(OpenAIRequest):
     prompt: Prompt
+    response_format: ResponseFormat | None = None
     max_tokens: MaxTokens | None = 16  # the legacy OpenAI completions API's documented default
     # Not OpenAI's (an extra field, as vLLM accepts extras): special-token literals in a text
     # prompt are plain text, not control tokens (Hugging Face's name for it).

@@ -27,7 +27,9 @@ U32 = 2**32 - 1
 # What DESCRIPTION lists as refused for reasons the document cannot state, as (status, reason,
 # param); the model is always the served one, so 403/404 do not arise here.
 NOT_IN_THE_SCHEMA = {(400, "CONTEXT_LENGTH_EXCEEDED", None), (400, "INVALID_ARGUMENT", "prompt"),
-                     (429, "TENANT_QUOTA_EXCEEDED", None)}
+                     (429, "TENANT_QUOTA_EXCEEDED", None),
+                     *((400, "INVALID_ARGUMENT", param) for param in (
+                         "response_format", "tools", "tool_choice", "structured_output"))}
 
 
 def test_openapi_document_lists_exactly_the_api_routes(shim) -> None:
@@ -99,9 +101,12 @@ def _shorten(body: Any, mode: GenerationMode, path: str) -> None:
                 and isinstance(body["prompt"][0], (str, list)):
             body["prompt"] = body["prompt"][:2]
         for message in body.get("messages") or []:
-            if isinstance(message, dict) and message.get("role") == "tool" \
-                    and not message.get("tool_call_id"):
+            if not isinstance(message, dict):
+                continue
+            if message.get("role") == "tool" and not message.get("tool_call_id"):
                 message["tool_call_id"] = "call_0"
+            if message.get("tool_calls") and message.get("role") != "assistant":
+                message["role"] = "assistant"  # only the assistant makes calls
 
 
 def _refusal(response: Any, path: str) -> tuple[int, str | None, str | None]:

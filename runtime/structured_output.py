@@ -1,0 +1,92 @@
+"""What a request's output must match: a JSON schema, any JSON object, a regex or a Lark
+grammar (vLLM's `guided_json` / `guided_regex` / `guided_grammar`, OpenAI's `response_format`).
+
+Only the request's description lives here, validated without the grammar engine: its kind, its
+size and, for a JSON schema, that it parses and is not nested past a bound. Compiling it for the
+model's vocabulary is `runtime/grammar.py`'s job (and may refuse it too).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from runtime.errors import InvalidArgument
+
+Kind = Literal["json_schema", "json_object", "regex", "grammar"]
+KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar")
+# A schema, regex or grammar is compiled against the whole vocabulary before the request runs:
+# its text and a schema's nesting are bounded so that no request can make that cost unbounded.
+MAX_SPEC_CHARS = 32_768
+MAX_SCHEMA_DEPTH = 64  # levels of JSON nesting in the schema document
+
+
+class InvalidStructuredOutput(InvalidArgument):
+    """A schema, regex or grammar that cannot constrain decoding (INVALID_ARGUMENT, HTTP 400).
+    `metadata["problem"]` names the kind of problem: invalid, too_large, too_deep, unsupported."""
+
+    def __init__(self, message: str, problem: str, field: str = "structured_output") -> None:
+        super().__init__(message, field=field, problem=problem)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """`kind` and `spec`: the JSON schema's text, a regex, or a Lark grammar; for
+    `json_object`, `spec` is empty (any JSON object). Frozen and hashable, so compiled grammars
+    can be cached by value."""
+
+    kind: Kind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidStructuredOutput(f"structured output kind must be one of {KINDS}",
+                                          "invalid")
+        if not isinstance(self.spec, str):
+            raise InvalidStructuredOutput("structured output spec must be a string", "invalid")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise InvalidStructuredOutput(
+                f"{self.kind} is too large: at most {MAX_SPEC_CHARS} characters", "too_large")
+        if self.kind == "json_object":
+            if self.spec:
+                raise InvalidStructuredOutput("json_object takes no spec", "invalid")
+        elif not self.spec:
+            raise InvalidStructuredOutput(f"{self.kind} needs a non-empty spec", "invalid")
+        if self.kind == "json_schema":
+            schema = _parse_schema(self.spec)
+            if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+                raise InvalidStructuredOutput(
+                    f"json_schema is nested too deeply: at most {MAX_SCHEMA_DEPTH} levels",
+                    "too_deep")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutput:
+        if isinstance(schema, dict):
+            schema = json.dumps(schema, separators=(",", ":"), sort_keys=True)
+        return cls("json_schema", schema)
+
+
+def _parse_schema(spec: str) -> Any:
+    try:
+        schema = json.loads(spec)
+    except (ValueError, RecursionError):
+        raise InvalidStructuredOutput("json_schema is not valid JSON", "invalid") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidStructuredOutput("json_schema must be a JSON object", "invalid")
+    return schema
+
+
+def schema_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in a JSON value (a scalar is 0), iteratively so that
+    a hostile document cannot exhaust the Python stack."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node \
+            if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
