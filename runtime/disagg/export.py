@@ -118,6 +118,9 @@ class KVExport:
         return data
 
     def _verify(self) -> None:
+        if self._released:
+            raise InvalidArgument(f"export of {self.request_id!r} was released",
+                                  field="request_id")
         violations = self.engine.tracker.verify_batch([self.seq])
         if violations:
             v = violations[0]
@@ -134,7 +137,8 @@ class KVExport:
             return
         self._released = True
         self.engine.scheduler.free_pages(self.seq)
-        self.engine.requests.pop(self.seq.request_id, None)
+        if self.engine.requests.get(self.request_id) is self.seq:  # released before prefill ran
+            self.engine.abort_request(self.request_id)
 
 
 def _chunks(num_layers: int, first_page: int, num_pages: int, page_layer_bytes: int,
