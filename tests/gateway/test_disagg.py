@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
@@ -183,6 +184,16 @@ def test_corrupted_frame_aborts_only_that_request(runner, client) -> None:
         assert [t for c in chunks for t in c.token_ids] == _direct(runner, "decode", prompt, 8)
     assert _statuses(runner)["decode"].imported.failures["checksum"] >= 1
     assert_idle(runner)
+    # Prometheus, as the supervisor reads it from the decode worker's Status
+    wait_for(lambda: REGISTRY.get_sample_value("tessera_worker_kv_transfer_failures", {
+        "model": f"{PD}/decode", "worker": _workers(runner)["decode"].id,
+        "direction": "import", "cause": "checksum"}) == 1, 30, "the failure metric")
+    labels = {"model": f"{PD}/prefill", "worker": _workers(runner)["prefill"].id,
+              "direction": "export"}
+    assert REGISTRY.get_sample_value("tessera_worker_kv_transfer",
+                                     {**labels, "kind": "bytes"}) > 0
+    assert REGISTRY.get_sample_value("tessera_worker_kv_pages", {
+        "model": f"{PD}/decode", "worker": _workers(runner)["decode"].id, "state": "free"}) > 0
 
 
 def test_stalled_transfer_ends_at_its_deadline_and_a_full_decode_pool_refuses(runner) -> None:
@@ -212,6 +223,22 @@ def test_stalled_transfer_ends_at_its_deadline_and_a_full_decode_pool_refuses(ru
     s = _statuses(runner)
     assert s["decode"].imported.failures["deadline"] >= 1
     assert s["prefill"].exported.transfers == exported_before
+    assert_idle(runner)
+
+
+def test_decode_worker_holding_the_prefix_imports_only_what_it_lacks(runner, client) -> None:
+    session = client.session()
+    first = " ".join(f"step {i}: stir the soup;" for i in range(12))  # ~6 full pages
+    list(session.generate(first, model=PD, max_tokens=4, **GREEDY))
+    before = _statuses(runner)["decode"].imported.pages
+    second = session.generate(first + " Then serve it hot.", model=PD, max_tokens=4, **GREEDY)
+    tokens = [t for c in second for t in c.token_ids]
+    imported = _statuses(runner)["decode"].imported.pages - before
+    total = -(-second.usage.prompt_tokens // 16)
+    assert second.usage.cached_tokens >= 4 * 16
+    # cached_tokens counts hits on either side; the decode side's own hits are not sent again
+    assert total - second.usage.cached_tokens // 16 <= imported < total - 3
+    assert tokens == _direct(runner, "decode", first + " Then serve it hot.", 4)
     assert_idle(runner)
 
 
