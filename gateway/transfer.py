@@ -145,18 +145,20 @@ class TransferService:
         text, ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
         params = wire.sampling_params(wreq.sampling)
         timeout_s = request.transfer_timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
-        imp: KVImport = await self.llm.call(lambda: KVImport.reserve(
+        imp = await self._reserve(lambda: KVImport.reserve(
             self.engine, rid, ids, params, tenant, prompt_text=text, counters=self.imported,
             deadline_s=timeout_s))
         self.pending_imports += 1
         cause = "cancelled"
-        call = self._stub(request.prefill_target).Prefill(
-            wpb.PrefillRequest(request_id=rid, tenant=tenant, token_ids=wpb.TokenIds(ids=ids),
-                               sampling=wreq.sampling, first_page=imp.first_page,
-                               max_frame_bytes=request.max_frame_bytes),
-            timeout=timeout_s)
+        call = None
         prefill_cached = 0
         try:
+            call = self._stub(request.prefill_target).Prefill(
+                wpb.PrefillRequest(request_id=rid, tenant=tenant,
+                                   token_ids=wpb.TokenIds(ids=ids), sampling=wreq.sampling,
+                                   first_page=imp.first_page,
+                                   max_frame_bytes=request.max_frame_bytes),
+                timeout=timeout_s)
             try:
                 async for msg in call:
                     if msg.HasField("frame"):
@@ -188,8 +190,23 @@ class TransferService:
                     yield final
         finally:
             self.pending_imports -= 1
-            call.cancel()  # a no-op once finished; frees the prefill side's pages otherwise
+            if call is not None:
+                call.cancel()  # a no-op once finished; frees the prefill side's pages otherwise
             self.llm.submit(lambda: imp.abort(cause))  # a no-op once committed or failed
+
+
+    async def _reserve(self, reserve: Callable[[], KVImport]) -> KVImport:
+        """The reservation, made on the engine thread. NOTE: a caller cancelled while it is
+        being made must not leak it: the call runs on, shielded, and what it took is freed."""
+        fut = asyncio.ensure_future(self.llm.call(reserve))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            def free(f: asyncio.Future) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self.llm.submit(f.result().abort)
+            fut.add_done_callback(free)
+            raise
 
 
 def _sender_failure(e: grpc.aio.AioRpcError) -> tuple[str, Exception]:
