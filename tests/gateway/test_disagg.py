@@ -26,6 +26,7 @@ from gateway.client import (
     KVIntegrityViolation,
     Overloaded,
     Unavailable,
+    WorkerLost,
 )
 from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
@@ -262,23 +263,59 @@ def test_client_leaving_at_each_stage_frees_both_sides(runner, stage) -> None:
     assert_idle(runner)
 
 
-def test_prefill_worker_killed_mid_transfer_ends_typed_and_frees_the_decode_side(runner):
-    """Last: it kills the prefill worker (the supervisor starts another)."""
+def _stalled_request(runner: GatewayRunner) -> tuple[dict[str, object], threading.Event]:
+    """`bob`'s request in a thread: its transfer stalls after the first token (set then)."""
     outcome: dict[str, object] = {}
+    first_token = threading.Event()
 
     def run() -> None:
         with Client(runner.target, api_key=KEYS["bob"], retry=NO_RETRY) as c:
             try:
-                outcome["chunks"] = list(c.generate(LONG, model=PD, max_tokens=4, **GREEDY))
+                for _ in c.generate(LONG, model=PD, max_tokens=4, **GREEDY):
+                    first_token.set()
             except Exception as e:
                 outcome["error"] = e
 
-    prefill = _workers(runner)["prefill"]
-    t = threading.Thread(target=run)
+    outcome["thread"] = t = threading.Thread(target=run)
     t.start()
-    wait_for(lambda: _statuses(runner)["prefill"].exported.pending == 1, 60, "a stalled sender")
+    return outcome, first_token
+
+
+def test_decode_worker_killed_mid_transfer_ends_typed_and_frees_the_prefill_side(runner):
+    """The decode worker dies after the first token, while its transfer is under way: the
+    client gets WORKER_LOST (nothing transparent after a token was streamed), the prefill
+    side's call is cut and its pages come back; the supervisor starts another decode worker."""
+    outcome, first_token = _stalled_request(runner)
+
+    decode = _workers(runner)["decode"]
+    assert first_token.wait(60), "no first token"  # the transfer is under way (stalled)
+    os.kill(decode.pid, signal.SIGKILL)
+    outcome["thread"].join(60)
+    assert isinstance(outcome.get("error"), WorkerLost), outcome
+
+    def prefill_idle() -> bool:
+        async def read() -> wpb.StatusResponse:
+            prefill = runner.gateway.prefill_pools[PD].ready()[0]
+            return await prefill.stub.Status(wpb.StatusRequest(), timeout=10)
+
+        s = runner.call(read())
+        return (s.num_running == 0 and s.exported.pending == 0
+                and s.num_free_pages + s.prefix_cache.evictable_pages == s.num_pages)
+
+    wait_for(prefill_idle, 30, "the prefill side's pages back")
+    # the replacement decode worker, for the next test
+    wait_for(lambda: any(w.id != decode.id for w in runner.gateway.pools[PD].ready()), 300,
+             "a new decode worker")
+
+
+def test_prefill_worker_killed_mid_transfer_ends_typed_and_frees_the_decode_side(runner):
+    """Last: it kills the prefill worker (the supervisor starts another)."""
+    outcome, first_token = _stalled_request(runner)
+
+    prefill = _workers(runner)["prefill"]
+    assert first_token.wait(60), "no first token"  # the transfer is under way (stalled)
     os.kill(prefill.pid, signal.SIGKILL)
-    t.join(60)
+    outcome["thread"].join(60)
     assert isinstance(outcome.get("error"), Unavailable), outcome
 
     def decode_idle() -> bool:
