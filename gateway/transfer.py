@@ -108,7 +108,7 @@ class TransferService:
             export = held[0]
             if not await self.llm.call(lambda: export.needs_transfer):
                 # The first token ended it (eos, a stop, max_tokens 1): nothing to move.
-                yield wpb.PrefillResponse(out=wire.final_response(out, self.served))
+                yield wpb.PrefillResponse(out=wire.final_response([out], self.served))
                 return
             fault = self.faults.get(tenant)
             if fault == "stall":
@@ -144,6 +144,9 @@ class TransferService:
         prompt = await asyncio.to_thread(prompt_of, wreq)
         text, ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
         params = wire.sampling_params(wreq.sampling)
+        if params.n != 1 or params.logprobs is not None:
+            raise InvalidArgument("n > 1 and logprobs are not served by prefill/decode pools "
+                                  "yet", field="n" if params.n != 1 else "logprobs")
         timeout_s = request.transfer_timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
         imp = await self._reserve(lambda: KVImport.reserve(
             self.engine, rid, ids, params, tenant, prompt_text=text, counters=self.imported,
@@ -184,7 +187,7 @@ class TransferService:
                 if chunk is not None:
                     yield chunk
                 if out.finished:
-                    final = wire.final_response(out, self.served)
+                    final = wire.final_response([out], self.served)
                     usage = final.final.usage
                     usage.cached_tokens = max(usage.cached_tokens, prefill_cached)
                     yield final
