@@ -46,8 +46,11 @@ class Gateway:
 
     def __init__(self, pools: dict[str, WorkerPool], keys: ApiKeys,
                  default_model: str | None = None,
-                 tenant_limits: TenantLimits = NO_LIMITS) -> None:
-        self.pools = pools
+                 tenant_limits: TenantLimits = NO_LIMITS,
+                 prefill_pools: dict[str, WorkerPool] | None = None) -> None:
+        self.pools = pools  # colocated or decode workers, by model id
+        # Disaggregated models: their prefill pool (the model's entry in `pools` decodes).
+        self.prefill_pools = prefill_pools or {}
         self.keys = keys
         self.tenant_limits = tenant_limits  # for keys that set none of their own
         self.default_model = default_model or next(iter(pools))
@@ -83,8 +86,9 @@ class Gateway:
     def serving(self) -> bool:
         """Ready for traffic: not draining, and every pool has a ready worker (or may start
         one on demand)."""
-        return not self.draining and all(p.ready() or p.config.min_workers == 0
-                                         for p in self.pools.values())
+        return not self.draining and all(
+            p.ready() or p.config.min_workers == 0
+            for p in (*self.pools.values(), *self.prefill_pools.values()))
 
     async def refresh_health(self) -> None:
         """grpc.health.v1 follows `serving()`, so a readiness probe holds traffic back until
@@ -230,12 +234,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                             tenant=tenant.name,
                                             limits=self.gw.limits_for(tenant))
                 bound = bound.bind(worker=worker.id)
-                call = worker.stub.Generate(wreq, timeout=context.time_remaining())
+                prefill_pool = self.gw.prefill_pools.get(model)
+                prefiller = None
+                if prefill_pool is None:
+                    call = worker.stub.Generate(wreq, timeout=context.time_remaining())
+                else:  # disaggregated: the decode worker is picked (and reserves) first
+                    try:
+                        prefiller = await prefill_pool.acquire(
+                            session, prefix_key, context.time_remaining(), tenant=tenant.name,
+                            limits=self.gw.limits_for(tenant))
+                    except BaseException:
+                        await pool.release(worker, tenant.name)
+                        raise
+                    bound = bound.bind(prefill_worker=prefiller.id)
+                    call = worker.stub.GenerateImported(wpb.ImportGenerateRequest(
+                        request=wreq, prefill_target=f"unix:{prefiller.socket_path}",
+                        transfer_timeout_s=pool.config.transfer_timeout_s),
+                        timeout=context.time_remaining())
                 self.gw._calls.add(call)
                 try:
                     last = None
                     async for resp in call:
                         now = time.perf_counter()
+                        if prefiller is not None and prefill_pool is not None:
+                            # prefill done, first token out: its slot is free again
+                            await prefill_pool.release(prefiller, tenant.name)
+                            prefiller = None
                         if resp.HasField("chunk"):
                             hist = metrics.ITL if streamed else metrics.TTFT
                             hist.labels(model).observe(now - (last or start))
@@ -267,6 +291,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     self.gw._calls.discard(call)
                     call.cancel()  # a no-op once finished; aborts the worker's request otherwise
                     await pool.release(worker, tenant.name)
+                    if prefiller is not None and prefill_pool is not None:
+                        await prefill_pool.release(prefiller, tenant.name)
         except TesseraError as e:
             reason = e.reason
             bound.info("request failed", reason=e.reason, error=e.message)

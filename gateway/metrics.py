@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -38,6 +39,19 @@ WORKER_SEQS = Gauge("tessera_worker_sequences", "Sequences by state (running, wa
                     ["model", "worker", "state"])
 WORKER_INTEGRITY = Gauge("tessera_worker_integrity", "Integrity checks run and mismatches found",
                          ["model", "worker", "kind"])
+# Disaggregated serving: KV sent (direction "export", prefill workers) and received ("import",
+# decode workers); `model` is the pool (model id / role). Totals since the worker started.
+WORKER_TRANSFER = Gauge("tessera_worker_kv_transfer", "KV transfers: completed, frames, pages, "
+                        "bytes, pending (under way now)", ["model", "worker", "direction", "kind"])
+WORKER_TRANSFER_SECONDS = Gauge("tessera_worker_kv_transfer_seconds", "Time spent in completed "
+                                "KV transfers (first frame to commit or last frame)",
+                                ["model", "worker", "direction"])
+WORKER_TRANSFER_FAILURES = Gauge("tessera_worker_kv_transfer_failures", "Failed KV transfers by "
+                                 "cause (checksum, sequence, malformed, incomplete, deadline, "
+                                 "cancelled, sender, stale_tag, ...)",
+                                 ["model", "worker", "direction", "cause"])
+_TRANSFER_KINDS = ("transfers", "frames", "pages", "bytes", "pending")
+_failure_labels: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
 
 def record_worker_status(model: str, s: Any) -> None:
@@ -51,6 +65,14 @@ def record_worker_status(model: str, s: Any) -> None:
         WORKER_SEQS.labels(model, w, state).set(n)
     for kind, n in (("checks", s.integrity_checks), ("mismatches", s.integrity_mismatches)):
         WORKER_INTEGRITY.labels(model, w, kind).set(n)
+    if s.role in ("prefill", "decode"):
+        direction, t = ("export", s.exported) if s.role == "prefill" else ("import", s.imported)
+        for kind in _TRANSFER_KINDS:
+            WORKER_TRANSFER.labels(model, w, direction, kind).set(getattr(t, kind))
+        WORKER_TRANSFER_SECONDS.labels(model, w, direction).set(t.duration_s)
+        for cause, n in t.failures.items():
+            WORKER_TRANSFER_FAILURES.labels(model, w, direction, cause).set(n)
+            _failure_labels.setdefault((model, w), set()).add((direction, cause))
 
 
 def forget_worker(model: str, worker: str) -> None:
@@ -62,3 +84,12 @@ def forget_worker(model: str, worker: str) -> None:
                 gauge.remove(model, worker, state)
             except KeyError:
                 pass
+    for direction in ("export", "import"):
+        for kind in _TRANSFER_KINDS:
+            with contextlib.suppress(KeyError):
+                WORKER_TRANSFER.remove(model, worker, direction, kind)
+        with contextlib.suppress(KeyError):
+            WORKER_TRANSFER_SECONDS.remove(model, worker, direction)
+    for direction, cause in _failure_labels.pop((model, worker), ()):
+        with contextlib.suppress(KeyError):
+            WORKER_TRANSFER_FAILURES.remove(model, worker, direction, cause)

@@ -46,11 +46,13 @@ class GatewayRunner:
         return self
 
     async def _start(self, wait_ready: bool) -> None:
-        pools = {c.model_id: WorkerPool(c) for c in self.pool_configs}
-        self.gateway = Gateway(pools, self.keys, tenant_limits=self.tenant_limits)
+        pools = {c.model_id: WorkerPool(c) for c in self.pool_configs if c.role != "prefill"}
+        prefill = {c.model_id: WorkerPool(c) for c in self.pool_configs if c.role == "prefill"}
+        self.gateway = Gateway(pools, self.keys, tenant_limits=self.tenant_limits,
+                               prefill_pools=prefill)
         self._server, self.port = await build_server(self.gateway, self.host, self.port)
         await self._server.start()
-        for pool in pools.values():
+        for pool in self._all_pools():
             await pool.start()
         self._health_task = asyncio.create_task(self._follow_health())
         if wait_ready:
@@ -70,7 +72,7 @@ class GatewayRunner:
         """Until every pool has its minimum of ready workers."""
         assert self.gateway is not None
         deadline = self.loop.time() + timeout_s
-        while any(len(p.ready()) < p.config.min_workers for p in self.gateway.pools.values()):
+        while any(len(p.ready()) < p.config.min_workers for p in self._all_pools()):
             if self.loop.time() > deadline:
                 raise TimeoutError(f"workers not ready after {timeout_s} s")
             await asyncio.sleep(0.1)
@@ -98,7 +100,13 @@ class GatewayRunner:
         if self._server is not None:
             await self._server.stop(grace=1)
         if self.gateway is not None:
-            await asyncio.gather(*(p.close() for p in self.gateway.pools.values()))
+            await asyncio.gather(*(p.close() for p in self._all_pools()))
+
+    def _all_pools(self) -> list[WorkerPool]:
+        """Colocated and decode pools, then prefill pools."""
+        if self.gateway is None:
+            return []
+        return [*self.gateway.pools.values(), *self.gateway.prefill_pools.values()]
 
     def __enter__(self) -> GatewayRunner:
         return self.start()

@@ -4,7 +4,9 @@ Ctrl-C, which drain them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -39,6 +41,21 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the model's name for clients (requests, /v1/models)")
     p.add_argument("--min-workers", type=int, default=1, help="workers kept running")
     p.add_argument("--max-workers", type=int, default=1, help="workers started under load")
+    p.add_argument("--prefill-workers", type=int, default=0,
+                   help="disaggregated serving: this many prefill workers, and the KV moves "
+                        "to --decode-workers decode workers (0: colocated workers, as "
+                        "--min-workers / --max-workers say)")
+    p.add_argument("--decode-workers", type=int, default=1,
+                   help="decode workers, when --prefill-workers > 0")
+    p.add_argument("--prefill-pool-args", default="", metavar="FLAGS",
+                   help="engine flags for prefill workers only (formats, sizes), e.g. "
+                        "\"--kv-cache-dtype bfloat16\"")
+    p.add_argument("--decode-pool-args", default="", metavar="FLAGS",
+                   help="engine flags for decode workers only, e.g. "
+                        "\"--kv-cache-dtype fp8 --decode-weights int4\"")
+    p.add_argument("--transfer-timeout-s", type=float, default=60.0,
+                   help="a request's KV transfer, reservation to commit; past it, "
+                        "DEADLINE_EXCEEDED and both sides' pages freed")
     p.add_argument("--max-inflight", type=int, default=32, help="per worker")
     p.add_argument("--max-queue", type=int, default=128, help="waiting requests per model")
     p.add_argument("--tenant-max-inflight", type=int, default=None,
@@ -75,6 +92,20 @@ def worker_args(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(engine_argv(args, exclude=("model", "kv-cache-bytes", "max-num-seqs")))
 
 
+def pool_configs(base: PoolConfig, args: argparse.Namespace) -> list[PoolConfig]:
+    """One colocated pool, or (--prefill-workers > 0) a prefill pool and a decode pool of fixed
+    sizes, each with the shared engine flags followed by its own (the later flag wins)."""
+    if args.prefill_workers < 0 or args.decode_workers < 1:
+        raise SystemExit("--prefill-workers must be >= 0 and --decode-workers >= 1")
+    if args.prefill_workers == 0:
+        return [base]
+    return [dataclasses.replace(base, role=role, min_workers=n, max_workers=n,
+                                worker_args=base.worker_args + tuple(shlex.split(extra)),
+                                transfer_timeout_s=args.transfer_timeout_s)
+            for role, n, extra in (("decode", args.decode_workers, args.decode_pool_args),
+                                   ("prefill", args.prefill_workers, args.prefill_pool_args))]
+
+
 def serve_rest(runner: GatewayRunner, host: str = "127.0.0.1", port: int = 8000, *,
                operator_key: str | None = None) -> RestServer:
     """The shim on a started runner's event loop, its status page reading that gateway;
@@ -96,6 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       recycle_after_requests=args.recycle_after_requests,
                       recycle_after_s=args.recycle_after_s, stuck_after_s=args.stuck_after_s,
                       worker_args=worker_args(args))
+    pools = pool_configs(pool, args)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -104,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     limits = TenantLimits(args.tenant_max_inflight, args.tenant_max_queued)
-    runner = GatewayRunner([pool], keys, args.host, args.grpc_port,
+    runner = GatewayRunner(pools, keys, args.host, args.grpc_port,
                            tenant_limits=limits).start(wait_ready=False)
     print(f"tessera gateway on {runner.target} serving {args.model_id}; starting workers",
           flush=True)

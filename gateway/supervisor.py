@@ -50,8 +50,20 @@ class PoolConfig:
     max_restart_backoff_s: float = 30.0
     worker_args: tuple[str, ...] = ()
     worker_env: tuple[tuple[str, str], ...] = (("TESSERA_NUM_THREADS", "1"),)
+    # "both": colocated workers; "prefill" / "decode": one pool of disaggregated serving, its
+    # formats in worker_args (gateway/transfer.py). A decode pool bounds each KV transfer.
+    role: str = "both"
+    transfer_timeout_s: float = 60.0
+
+    @property
+    def pool_label(self) -> str:
+        """The pool's name in metrics and worker ids: the model id, plus the role if any."""
+        return self.model_id if self.role == "both" else f"{self.model_id}/{self.role}"
 
     def __post_init__(self) -> None:
+        if self.role not in ("both", "prefill", "decode") or self.transfer_timeout_s <= 0:
+            raise InvalidArgument("role must be both, prefill or decode, and "
+                                  "transfer_timeout_s > 0", field="role")
         if not 0 <= self.min_workers <= self.max_workers or self.max_workers < 1:
             raise InvalidArgument("need 0 <= min_workers <= max_workers, max_workers >= 1",
                                   field="min_workers")
@@ -110,7 +122,7 @@ class WorkerPool:
         order; past the tenant's own queue bound, or the pool's, a request is refused."""
         wait_s = self.config.start_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
-        model = self.config.model_id
+        model = self.config.pool_label
         async with self._changed:
             ticket = self.queue.join(tenant, limits)
             started = queued = False
@@ -175,7 +187,7 @@ class WorkerPool:
 
     def _check_room(self, ticket: Ticket) -> None:
         """A request that must wait: refused past its tenant's queue bound, then the pool's."""
-        model = self.config.model_id
+        model = self.config.pool_label
         try:
             self.queue.must_wait(ticket, model)
         except TenantConcurrencyExceeded as e:
@@ -188,7 +200,7 @@ class WorkerPool:
                              model=model)
 
     def _tenant_gauges(self, tenant: str) -> None:
-        model = self.config.model_id
+        model = self.config.pool_label
         metrics.TENANT_INFLIGHT.labels(model, tenant).set(self.queue.inflight[tenant])
         metrics.TENANT_QUEUED.labels(model, tenant).set(self.queue.queued(tenant))
 
@@ -220,7 +232,7 @@ class WorkerPool:
         if worker.state not in ("ready", "draining"):
             return
         log.warning("worker lost", worker=worker.id, cause=cause, inflight=worker.inflight)
-        metrics.WORKERS_LOST.labels(self.config.model_id, cause).inc()
+        metrics.WORKERS_LOST.labels(self.config.pool_label, cause).inc()
         worker.state = "lost"
         worker.kill()
         await self._notify()
@@ -261,7 +273,7 @@ class WorkerPool:
 
     def _spawn(self) -> WorkerHandle:
         self._seq += 1
-        wid = f"{self.config.model_id}-{self._seq}"
+        wid = f"{self.config.pool_label.replace('/', '-')}-{self._seq}"
         worker = WorkerHandle(wid, os.path.join(self.run_dir, f"w{self._seq}.sock"),
                               self.config.max_inflight)
         self.workers[wid] = worker
@@ -276,6 +288,8 @@ class WorkerPool:
                "--max-num-seqs", str(self.config.max_inflight)]
         if self.config.model_path is not None:
             cmd += ["--model", self.config.model_path]
+        if self.config.role != "both":
+            cmd += ["--role", self.config.role]
         return cmd + list(self.config.worker_args)
 
     async def _run(self, worker: WorkerHandle) -> None:
@@ -288,7 +302,7 @@ class WorkerPool:
             log.warning("worker failed to start", worker=worker.id, error=str(e))
         if worker.state == "ready":
             self.stats.cold_starts_s.append(worker.cold_start_s)
-            metrics.COLD_START.labels(self.config.model_id).observe(worker.cold_start_s)
+            metrics.COLD_START.labels(self.config.pool_label).observe(worker.cold_start_s)
             self._consecutive_crashes = 0
             log.info("worker ready", worker=worker.id, pid=worker.pid,
                      cold_start_s=round(worker.cold_start_s, 3))
@@ -297,7 +311,7 @@ class WorkerPool:
         if worker.state != "stopped":  # nobody asked it to exit
             self._on_crash(worker, code)
         self.workers.pop(worker.id, None)
-        metrics.forget_worker(self.config.model_id, worker.id)
+        metrics.forget_worker(self.config.pool_label, worker.id)
         if worker.inflight == 0:
             await worker.close_channel()
         self._update_gauges()
@@ -305,7 +319,7 @@ class WorkerPool:
 
     def _on_crash(self, worker: WorkerHandle, code: int | None) -> None:
         if worker.state != "lost":  # not replaced by the supervisor: it exited on its own
-            metrics.WORKERS_LOST.labels(self.config.model_id, "exited").inc()
+            metrics.WORKERS_LOST.labels(self.config.pool_label, "exited").inc()
         worker.state = "stopped"
         self.stats.crashed += 1
         self._consecutive_crashes += 1
@@ -337,7 +351,7 @@ class WorkerPool:
         for w in self.ready():
             status = await w.read_status()
             if status is not None:
-                metrics.record_worker_status(self.config.model_id, status)
+                metrics.record_worker_status(self.config.pool_label, status)
 
     async def _maintain(self, period_s: float = 0.25, status_every: int = 8,
                         health_every: int = 4) -> None:
@@ -374,7 +388,7 @@ class WorkerPool:
     def _update_gauges(self) -> None:
         for state in ("starting", "ready", "draining"):
             n = sum(1 for w in self.workers.values() if w.state == state)
-            metrics.WORKERS.labels(self.config.model_id, state).set(n)
+            metrics.WORKERS.labels(self.config.pool_label, state).set(n)
 
     async def close(self) -> None:
         self._closed = True

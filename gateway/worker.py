@@ -26,10 +26,11 @@ from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import to_status
 from gateway.logprobs import TokenLogprobs
 from gateway.logs import configure, get_logger
+from gateway.transfer import CHANNEL_OPTIONS, ROLES, TransferService, transfer_stats
 from runtime.async_engine import AsyncLLM
 from runtime.candidates import generate_candidates
 from runtime.engine_flags import add_engine_flags, engine_config
-from runtime.errors import RequestCancelled, TesseraError
+from runtime.errors import InvalidArgument, RequestCancelled, TesseraError
 from runtime.outputs import RequestOutput
 
 log = get_logger("tessera.worker")
@@ -38,7 +39,8 @@ log = get_logger("tessera.worker")
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, llm: AsyncLLM, served: wire.ServedInfo,
                  fault_tenant: str | None = None, fault_loop: list[str] | None = None,
-                 native_ops: str = "") -> None:
+                 native_ops: str = "", role: str = "both",
+                 fault_transfer: list[str] | None = None) -> None:
         self.llm = llm
         self.engine = llm.engine
         self.served = served
@@ -47,6 +49,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.loop_faults = {t: k for k, t in (f.split(":", 1) for f in fault_loop or ())}
         self.native_ops = native_ops
         self.requests_served = 0
+        # tenant -> transfer fault kind (drills): corrupt a frame, or stall the sender
+        faults = {t: k for k, t in (f.split(":", 1) for f in fault_transfer or ())}
+        self.transfer = TransferService(llm, served, role, faults)
         self.logprobs = TokenLogprobs(self.engine.tokenizer)
 
     async def Generate(self, request: wpb.WorkerGenerateRequest,
@@ -54,6 +59,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rid = request.request_id or f"w-{uuid.uuid4().hex[:12]}"
         self.requests_served += 1
         try:
+            if self.transfer.role == "prefill":
+                raise InvalidArgument("a prefill worker serves only Prefill", field="role")
             # NOTE: chat templates and tokenizers run in a pool thread, never on this event
             # loop (other streams' writes) or the engine thread (everyone's steps).
             prompt = await asyncio.to_thread(self._prompt, request)
@@ -91,6 +98,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as e:  # a bug: typed INTERNAL, never gRPC's UNKNOWN with a class name
             log.exception("request failed", request_id=rid, tenant=request.tenant)
             await context.abort_with_status(to_status(e))
+
+    async def Prefill(self, request: wpb.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.PrefillResponse]:
+        """Prefill side of a disaggregated request (gateway/transfer.py)."""
+        async for resp in self._guarded(self.transfer.prefill(request), request.request_id,
+                                        request.tenant, context):
+            yield resp
+
+    async def GenerateImported(
+            self, request: wpb.ImportGenerateRequest,
+            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        """Decode side of a disaggregated request (gateway/transfer.py)."""
+        self.requests_served += 1
+        stream = self.transfer.generate_imported(request, self._prompt)
+        async for resp in self._guarded(stream, request.request.request_id,
+                                        request.request.tenant, context):
+            yield resp
+
+    async def _guarded(self, stream: AsyncIterator, rid: str, tenant: str,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator:
+        """Relay a stream; its failure becomes the call's rich status."""
+        try:
+            async for resp in stream:
+                yield resp
+        except TesseraError as e:
+            log.info("request failed", request_id=rid, tenant=tenant, reason=e.reason,
+                     detail=e.metadata.get("detail", ""))
+            await context.abort_with_status(to_status(e))
+        except Exception as e:  # a bug: typed INTERNAL
+            log.exception("request failed", request_id=rid, tenant=tenant)
+            await context.abort_with_status(to_status(e))
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
 
     def _prompt(self, request: wpb.WorkerGenerateRequest) -> str | list[int]:
         kind = request.WhichOneof("prompt")
@@ -145,7 +185,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_waiting=stats.num_waiting, num_preemptions=stats.num_preemptions,
             max_model_len=self.engine.max_model_len, prefix_cache=summary,
             requests_served=self.requests_served, integrity_checks=snap.integrity_checks,
-            integrity_mismatches=snap.integrity_mismatches, native_ops=self.native_ops)
+            integrity_mismatches=snap.integrity_mismatches, native_ops=self.native_ops,
+            role=self.transfer.role,
+            exported=transfer_stats(self.transfer.exported, self.transfer.pending_exports),
+            imported=transfer_stats(self.transfer.imported, self.transfer.pending_imports))
 
 
 def _served(engine, model: str | None, worker_id: str,
@@ -186,6 +229,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients use (the gateway passes its pool's id)")
     add_engine_flags(p)
+    p.add_argument("--role", default="both", choices=ROLES,
+                   help="both: colocated; prefill / decode: one side of disaggregated serving")
+    p.add_argument("--fault-transfer", action="append", default=None, metavar="KIND:TENANT",
+                   help="drills only: corrupt a KV frame (corrupt) or stall the transfer "
+                        "(stall) of each request of TENANT sent from here; repeatable")
     p.add_argument("--fault-tenant", default=None,
                    help="drills only: corrupt the page table of each request of this tenant")
     p.add_argument("--fault-loop", action="append", default=None, metavar="KIND:TENANT",
@@ -209,9 +257,10 @@ async def serve(args: argparse.Namespace) -> None:
              warm_up_s=round(time.monotonic() - started, 3))
     llm = AsyncLLM(engine)
     served = _served(engine, args.model, worker_id, args.served_model_name)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(llm, served, args.fault_tenant, args.fault_loop, native_ops), server)
+        WorkerServicer(llm, served, args.fault_tenant, args.fault_loop, native_ops, args.role,
+                       args.fault_transfer), server)
     server.add_insecure_port(f"unix:{args.socket}")
     await server.start()
     log.info("worker serving", worker=worker_id, socket=args.socket, model=served.model,

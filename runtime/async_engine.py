@@ -121,6 +121,11 @@ class AsyncLLM:
         self._submit(fn, fut)
         return await asyncio.wrap_future(fut)
 
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Run fn on the engine thread, later, without waiting (cleanup from a `finally`
+        whose task may be cancelled); its exception, if any, is dropped."""
+        self._submit(fn)
+
     def _submit(self, fn: Callable[[], Any],
                 fut: concurrent.futures.Future | None = None) -> None:
         self._commands.put((fn, fut or concurrent.futures.Future()))
@@ -131,13 +136,26 @@ class AsyncLLM:
                        tenant: str = "default") -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request; leaving the loop early aborts the request."""
         rid = request_id or f"req-{next(self._ids)}"
-        slot = _OutputSlot()
-        stream = (asyncio.get_running_loop(), slot)
         # NOTE: tokenized here, in a pool thread: a megabyte prompt must not stall the step.
         text, ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
+        stream = self.stream(rid, lambda: self.engine.add_request(rid, ids, params, tenant,
+                                                                   prompt_text=text))
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()  # now, not when the event loop finalizes it
+
+    async def stream(self, request_id: str,
+                     admit: Callable[[], object]) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of a request that `admit` puts into the engine (on the engine
+        thread: `add_request`, or a KV import's commit); leaving early aborts it."""
+        rid = request_id
+        slot = _OutputSlot()
+        stream = (asyncio.get_running_loop(), slot)
 
         def add() -> None:
-            self.engine.add_request(rid, ids, params, tenant, prompt_text=text)
+            admit()
             # NOTE: registered only once admitted, so a rejected duplicate id never takes
             # over (or, on the way out, removes) the live request's stream.
             self._streams[rid] = stream

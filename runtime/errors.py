@@ -60,5 +60,18 @@ class KVIntegrityViolation(TesseraError):
     reason = "KV_INTEGRITY_VIOLATION"
 
 
+class KVPoolExhausted(TesseraError):
+    """No room for a request's KV right now (a KV import's reservation): retry later."""
+
+    reason = "OVERLOADED"
+    retryable = True
+
+
+class TransferDeadlineExceeded(TesseraError):
+    """A KV transfer between workers stalled past its deadline."""
+
+    reason = "DEADLINE_EXCEEDED"
+
+
 class RequestCancelled(TesseraError):
     reason = "CANCELLED"

@@ -259,7 +259,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.free_pages(seq)
+        if not (seq.export_kv and seq.finish_reason == "length"):
+            self.free_pages(seq)
         seq.status = SequenceStatus.FINISHED
 
     def find(self, request_id: str) -> Sequence | None:

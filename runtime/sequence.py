@@ -55,6 +55,9 @@ class Sequence:
     error: TesseraError | None = None
     # The engine's per-request state (detokenizer, generator, logprobs), set at admission.
     state: RequestState | None = None
+    # Prefill side of a KV transfer: finishing for "length" keeps the pages for the exporter,
+    # which releases them (runtime/disagg/export.py).
+    export_kv: bool = False
     # Most output tokens: params.max_tokens when set (0 here), else what the engine resolved.
     max_tokens: int = 0
 

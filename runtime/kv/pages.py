@@ -101,6 +101,15 @@ class PagePool:
             return True
         return False
 
+    def retag(self, ref: PageRef) -> PageRef:
+        """A fresh generation for a page its one holder is about to publish (a KV import):
+        any copy of the old ref, kept by anyone, stops matching."""
+        self._check_id(ref.page_id)
+        if self.refcounts[ref.page_id] != 1 or self.tags[ref.page_id] != ref.tag:
+            raise PageAccountingError(f"retag() of a page not held once at tag {ref.tag}: {ref}")
+        self.tags[ref.page_id] += 1
+        return PageRef(ref.page_id, self.tags[ref.page_id], ref.owner)
+
     def _check_id(self, page_id: int) -> None:
         if not 0 <= page_id < self.num_pages:
             raise PageAccountingError(f"page id {page_id} outside the pool of {self.num_pages}")

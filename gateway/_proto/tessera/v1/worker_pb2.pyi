@@ -38,6 +38,42 @@ class WorkerGenerateRequest(_message.Message):
     split_special_tokens: bool
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingOptions, _Mapping]] = ..., split_special_tokens: _Optional[bool] = ...) -> None: ...
 
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "tenant", "token_ids", "sampling", "first_page", "max_frame_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    token_ids: TokenIds
+    sampling: _gateway_pb2.SamplingOptions
+    first_page: int
+    max_frame_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingOptions, _Mapping]] = ..., first_page: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("out", "frame")
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    out: _gateway_pb2.GenerateResponse
+    frame: bytes
+    def __init__(self, out: _Optional[_Union[_gateway_pb2.GenerateResponse, _Mapping]] = ..., frame: _Optional[bytes] = ...) -> None: ...
+
+class ImportGenerateRequest(_message.Message):
+    __slots__ = ("request", "prefill_target", "transfer_timeout_s", "max_frame_bytes")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TARGET_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request: WorkerGenerateRequest
+    prefill_target: str
+    transfer_timeout_s: float
+    max_frame_bytes: int
+    def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., prefill_target: _Optional[str] = ..., transfer_timeout_s: _Optional[float] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -85,7 +121,7 @@ class PrefixCacheSummary(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("worker_id", "served", "num_pages", "num_free_pages", "page_size", "num_running", "num_waiting", "num_preemptions", "max_model_len", "prefix_cache", "requests_served", "integrity_checks", "integrity_mismatches", "native_ops")
+    __slots__ = ("worker_id", "served", "num_pages", "num_free_pages", "page_size", "num_running", "num_waiting", "num_preemptions", "max_model_len", "prefix_cache", "requests_served", "integrity_checks", "integrity_mismatches", "native_ops", "role", "exported", "imported")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SERVED_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +136,9 @@ class StatusResponse(_message.Message):
     INTEGRITY_CHECKS_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     NATIVE_OPS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EXPORTED_FIELD_NUMBER: _ClassVar[int]
+    IMPORTED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     served: _gateway_pb2.ServedConfig
     num_pages: int
@@ -114,4 +153,32 @@ class StatusResponse(_message.Message):
     integrity_checks: int
     integrity_mismatches: int
     native_ops: str
-    def __init__(self, worker_id: _Optional[str] = ..., served: _Optional[_Union[_gateway_pb2.ServedConfig, _Mapping]] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., integrity_checks: _Optional[int] = ..., integrity_mismatches: _Optional[int] = ..., native_ops: _Optional[str] = ...) -> None: ...
+    role: str
+    exported: TransferStats
+    imported: TransferStats
+    def __init__(self, worker_id: _Optional[str] = ..., served: _Optional[_Union[_gateway_pb2.ServedConfig, _Mapping]] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., integrity_checks: _Optional[int] = ..., integrity_mismatches: _Optional[int] = ..., native_ops: _Optional[str] = ..., role: _Optional[str] = ..., exported: _Optional[_Union[TransferStats, _Mapping]] = ..., imported: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+
+class TransferStats(_message.Message):
+    __slots__ = ("transfers", "frames", "pages", "bytes", "duration_s", "failures", "pending")
+    class FailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    transfers: int
+    frames: int
+    pages: int
+    bytes: int
+    duration_s: float
+    failures: _containers.ScalarMap[str, int]
+    pending: int
+    def __init__(self, transfers: _Optional[int] = ..., frames: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., failures: _Optional[_Mapping[str, int]] = ..., pending: _Optional[int] = ...) -> None: ...

@@ -56,6 +56,16 @@ class WorkerStub:
                 request_serializer=tessera_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_worker__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_stream(
+                '/tessera.v1.Worker/Prefill',
+                request_serializer=tessera_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.GenerateImported = channel.unary_stream(
+                '/tessera.v1.Worker/GenerateImported',
+                request_serializer=tessera_dot_v1_dot_worker__pb2.ImportGenerateRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -86,6 +96,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """Disaggregated serving (runtime/disagg), called by a decode worker on a prefill worker:
+        prefill the prompt, send the first token's chunk, then the request's KV as checksummed
+        frames. Cancelling the call frees the prefill side's pages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateImported(self, request, context):
+        """Called by the gateway on a decode worker: reserve pages (OVERLOADED when none are free),
+        pull the KV from the named prefill worker, verify every frame, import, then decode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +135,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=tessera_dot_v1_dot_worker__pb2.StatusRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_worker__pb2.StatusResponse.SerializeToString,
+            ),
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=tessera_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'GenerateImported': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateImported,
+                    request_deserializer=tessera_dot_v1_dot_worker__pb2.ImportGenerateRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +255,60 @@ class Worker:
             '/tessera.v1.Worker/Status',
             tessera_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
             tessera_dot_v1_dot_worker__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tessera.v1.Worker/Prefill',
+            tessera_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            tessera_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateImported(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tessera.v1.Worker/GenerateImported',
+            tessera_dot_v1_dot_worker__pb2.ImportGenerateRequest.SerializeToString,
+            tessera_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,101 @@
+"""KV rows <-> frame payloads, and the format change at import.
+
+A payload holds, per layer of its range, K then V of the listed tokens as [kv_heads, tokens,
+head_dim] in the sender's KV storage format, then (fp8 only) K then V scales as bf16 [kv_heads,
+tokens]. Only valid tokens travel: a page's unused tail (stale bytes from its previous life)
+never leaves the sender.
+
+At import, a payload in the receiver's own format is copied byte for byte; any other format is
+decoded to float32 and written through `kernels.store_kv`, the same op the model writes KV
+with, so FP8 pages imported from fp32 KV are bit-identical to FP8 pages the decode engine
+would have written itself from the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import dequantize_fp8_kv, store_kv
+from runtime.kv.cache import KVCache, KVCacheSpec
+
+_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+            "fp8": torch.uint8}
+
+
+def token_bytes_per_layer(fmt: str, num_kv_heads: int, head_dim: int) -> int:
+    """Payload bytes of one token in one layer: K and V, and their scales for fp8."""
+    elem = _STORAGE[fmt].itemsize
+    scales = 2 * 2 * num_kv_heads if fmt == "fp8" else 0
+    return 2 * num_kv_heads * head_dim * elem + scales
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def gather_payload(cache: KVCache, layers: tuple[int, int], slots: torch.Tensor) -> bytes:
+    """The payload for `slots` (flat page_id * page_size + offset, in token order)."""
+    spec = cache.spec
+    heads, dim = spec.num_kv_heads, spec.head_dim
+    slots = slots.to(cache.k.device)
+    parts: list[bytes] = []
+    for layer in range(*layers):
+        kv = cache.layer(layer)
+        rows = [t.view(heads, -1, dim).index_select(1, slots) for t in (kv.k, kv.v)]
+        if kv.k_scale is not None and kv.v_scale is not None:
+            rows += [s.view(heads, -1).index_select(1, slots) for s in (kv.k_scale, kv.v_scale)]
+        parts.extend(_to_bytes(r) for r in rows)
+    return b"".join(parts)
+
+
+def write_payload(cache: KVCache, payload: bytes, src_format: str, layers: tuple[int, int],
+                  slots: torch.Tensor) -> None:
+    """Write a verified payload into `slots` of the receiver's cache, converting its format.
+
+    Raises ValueError when the payload's size does not match its layers and tokens."""
+    spec: KVCacheSpec = cache.spec
+    heads, dim, n = spec.num_kv_heads, spec.head_dim, int(slots.numel())
+    per_layer = token_bytes_per_layer(src_format, heads, dim) * n
+    if len(payload) != per_layer * (layers[1] - layers[0]):
+        raise ValueError(f"payload of {len(payload)} bytes for {n} tokens x "
+                         f"{layers[1] - layers[0]} layers of {src_format}")
+    dtype = _STORAGE[src_format]
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    data_bytes = heads * n * dim * dtype.itemsize
+    scale_bytes = heads * n * 2
+    slots = slots.to(cache.k.device)
+    off = 0
+    for layer in range(*layers):
+        k = buf[off : off + data_bytes].view(dtype).view(heads, n, dim)
+        v = buf[off + data_bytes : off + 2 * data_bytes].view(dtype).view(heads, n, dim)
+        off += 2 * data_bytes
+        ks = vs = None
+        if src_format == "fp8":
+            ks = buf[off : off + scale_bytes].view(torch.bfloat16).view(heads, n)
+            vs = buf[off + scale_bytes : off + 2 * scale_bytes].view(torch.bfloat16).view(heads, n)
+            off += 2 * scale_bytes
+        _write_layer(cache, layer, src_format, k, v, ks, vs, slots)
+
+
+def _write_layer(cache: KVCache, layer: int, src_format: str, k: torch.Tensor, v: torch.Tensor,
+                 ks: torch.Tensor | None, vs: torch.Tensor | None, slots: torch.Tensor) -> None:
+    spec = cache.spec
+    heads, dim = spec.num_kv_heads, spec.head_dim
+    kv = cache.layer(layer)
+    dev = cache.k.device
+    if src_format == spec.format.name:  # same format: the bytes as they were
+        kv.k.view(heads, -1, dim).index_copy_(1, slots, k.to(dev))
+        kv.v.view(heads, -1, dim).index_copy_(1, slots, v.to(dev))
+        if kv.k_scale is not None and kv.v_scale is not None and ks is not None \
+                and vs is not None:
+            kv.k_scale.view(heads, -1).index_copy_(1, slots, ks.to(dev))
+            kv.v_scale.view(heads, -1).index_copy_(1, slots, vs.to(dev))
+        return
+    if src_format == "fp8":
+        assert ks is not None and vs is not None
+        kf, vf = dequantize_fp8_kv(k, ks), dequantize_fp8_kv(v, vs)
+    else:
+        kf, vf = k.float(), v.float()
+    # store_kv takes [tokens, kv_heads, dim]
+    store_kv(kf.to(dev).transpose(0, 1).contiguous(), vf.to(dev).transpose(0, 1).contiguous(),
+             kv.k, kv.v, slots, kv.k_scale, kv.v_scale)

@@ -1,0 +1,148 @@
+"""KV transfer frames, the page retag, and the import format change, without a model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import store_kv
+from runtime.disagg import frames as wire
+from runtime.disagg.codec import gather_payload, token_bytes_per_layer, write_payload
+from runtime.disagg.export import _chunks
+from runtime.formats import KVFormat
+from runtime.kv.cache import KVCache, KVCacheSpec
+from runtime.kv.pages import PageAccountingError, PagePool
+
+
+def _frame() -> wire.Frame:
+    payload = bytes(random.getrandbits(8) for _ in range(300))
+    return wire.pages_frame("req-1", 3, (2, 5), [0, 1, 4], payload)
+
+
+def test_frame_round_trips():
+    frame = _frame()
+    back = wire.decode(wire.encode(frame))
+    assert back == frame
+    assert (back.layers, back.pages) == ((2, 5), [0, 1, 4])
+
+
+def test_every_flipped_bit_position_is_caught():
+    data = wire.encode(_frame())
+    for pos in range(len(data)):
+        bad = bytearray(data)
+        bad[pos] ^= 1 << (pos % 8)
+        with pytest.raises(wire.FrameError):
+            wire.decode(bytes(bad))
+
+
+@pytest.mark.parametrize("cut", [0, 1, 10, -1])
+def test_truncated_frames_are_refused(cut):
+    data = wire.encode(_frame())
+    with pytest.raises(wire.FrameError):
+        wire.decode(data[:cut])
+
+
+def test_oversized_and_foreign_frames_are_refused():
+    with pytest.raises(wire.FrameError, match="limit"):
+        wire.decode(b"\x00" * (wire.MAX_FRAME_BYTES + 1))
+    import msgpack
+
+    with pytest.raises(wire.FrameError):
+        wire.decode(msgpack.packb([1, 2, 3]))
+    with pytest.raises(wire.FrameError):  # a valid frame of another version
+        wire.decode(wire.encode(_frame()).replace(b"\xa1v\x01", b"\xa1v\x02", 1))
+
+
+def test_pages_frame_needs_sane_positions():
+    for layers, pages in [((3, 3), [0]), ((0, 2), []), ((0, 2), [1, 1]), ((0, 2), [-1])]:
+        frame = wire.Frame("pages", "r", 1, {"layers": list(layers), "pages": pages}, b"x")
+        with pytest.raises(wire.FrameError):
+            wire.decode(wire.encode(frame))
+
+
+def test_retag_gives_a_fresh_generation_only_to_a_page_held_once():
+    pool = PagePool(4, 16)
+    ref = pool.allocate("t")
+    new = pool.retag(ref)
+    assert new.page_id == ref.page_id and new.tag == ref.tag + 1
+    assert not pool.is_live(ref) and pool.is_live(new)
+    with pytest.raises(PageAccountingError):
+        pool.retag(ref)  # stale
+    pool.share(new)
+    with pytest.raises(PageAccountingError):
+        pool.retag(new)  # two holders: someone may have recorded it
+    pool.release(new)
+    pool.release(new)
+    pool.check_quiescent()
+
+
+@pytest.mark.parametrize("budget", [1, 3000, 20000, 1 << 30])
+def test_chunks_cover_every_layer_and_page_once_within_budget(budget):
+    page_layer_bytes = 1000
+    seen = []
+    for (lo, hi), pages in _chunks(7, 2, 9, page_layer_bytes, budget):
+        assert (hi - lo) * len(pages) * page_layer_bytes <= max(budget, page_layer_bytes)
+        seen += [(layer, p) for layer in range(lo, hi) for p in pages]
+    assert sorted(seen) == [(layer, p) for layer in range(7) for p in range(2, 9)]
+
+
+def _cache(fmt: str, pages: int = 6) -> KVCache:
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4,
+                       format=KVFormat(fmt))
+    return KVCache(spec, pages, "cpu")
+
+
+def _fill(cache: KVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write random K/V (heavy-tailed, as activations are) through the model's write path."""
+    n = slots.numel()
+    ks = torch.randn(3, n, 2, 8) * torch.rand(3, n, 2, 1) * 20
+    vs = torch.randn(3, n, 2, 8)
+    for layer in range(3):
+        kv = cache.layer(layer)
+        store_kv(ks[layer], vs[layer], kv.k, kv.v, slots, kv.k_scale, kv.v_scale)
+    return ks, vs
+
+
+@pytest.mark.parametrize(("src", "dst"), [("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "fp8"),
+                                          ("fp32", "fp8"), ("bf16", "fp8"), ("fp32", "bf16")])
+def test_import_equals_the_decode_side_writing_the_same_values_itself(src, dst):
+    src_slots = torch.tensor([5, 6, 7, 8, 9, 12, 13])  # odd count, across pages
+    dst_slots = torch.tensor([20, 21, 22, 23, 0, 1, 2])
+    sender, receiver, reference = _cache(src), _cache(dst), _cache(dst)
+    for c in (receiver, reference):  # poison: an unwritten slot shows up
+        c.k.fill_(0x7F if c.spec.is_fp8 else float("nan"))
+    _fill(sender, src_slots)
+    payload = gather_payload(sender, (0, 3), src_slots)
+    assert len(payload) == 3 * 7 * token_bytes_per_layer(src, 2, 8)
+    write_payload(receiver, payload, src, (0, 3), dst_slots)
+    # The reference: the values as the sender holds them, written by the receiver's own op.
+    for layer in range(3):
+        s, r = sender.layer(layer), reference.layer(layer)
+        k = s.k.view(2, -1, 8)[:, src_slots]
+        v = s.v.view(2, -1, 8)[:, src_slots]
+        if src == "fp8":
+            from kernels import dequantize_fp8_kv
+
+            k = dequantize_fp8_kv(k, s.k_scale.view(2, -1)[:, src_slots])
+            v = dequantize_fp8_kv(v, s.v_scale.view(2, -1)[:, src_slots])
+        if src == dst:  # same format: byte copies
+            for a, b in ((r.k, s.k), (r.v, s.v), (r.k_scale, s.k_scale), (r.v_scale, s.v_scale)):
+                if a is not None:
+                    flat_a = a.view(2, a[0].numel() // (8 if a.dim() == 4 else 1), -1)
+                    flat_b = b.view(2, b[0].numel() // (8 if b.dim() == 4 else 1), -1)
+                    flat_a[:, dst_slots] = flat_b[:, src_slots]
+        else:
+            store_kv(k.float().transpose(0, 1).contiguous(), v.float().transpose(0, 1).contiguous(),
+                     r.k, r.v, dst_slots, r.k_scale, r.v_scale)
+    for a, b in ((receiver.k, reference.k), (receiver.v, reference.v),
+                 (receiver.k_scale, reference.k_scale), (receiver.v_scale, reference.v_scale)):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_import_refuses_a_payload_of_the_wrong_size():
+    cache = _cache("fp8")
+    with pytest.raises(ValueError, match="payload"):
+        write_payload(cache, b"\x00" * 100, "fp32", (0, 1), torch.tensor([0, 1]))
