@@ -113,6 +113,13 @@ class LLMEngine:
         else two sharing everything but the linear layers (both resident, both counted)."""
         with torch.device("meta"):
             model = model_class(self.model_config)(self.model_config)
+        from runtime.loader.gguf_blocks import load_gguf_as_stored, serves_as_stored
+
+        if serves_as_stored(self.config.gguf_weights, self.checkpoint, self.formats,
+                            self.dtype, self.device):  # the file's Q4/Q8 blocks, as stored
+            load_gguf_as_stored(model, self.checkpoint, self.dtype)  # type: ignore[arg-type]
+            base = model.to(self.device).eval()
+            return base, base
         stored = self.checkpoint.quantization
         model.load_weights(self.checkpoint.tensors(), self.dtype, quantization=stored)
         base = model.to(self.device).eval()

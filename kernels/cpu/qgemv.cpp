@@ -251,7 +251,17 @@ void dequantize_rows(const W& w, int64_t N, float* out) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t g = b / w.blocks_per_group;
-        dequant_block_scalar(w, n, b, w.scale(n, g), w.offset(n, g), out + n * K + b * kBlock);
+        float* dst = out + n * K + b * kBlock;
+#if defined(__AVX512F__)
+        const __m512 v = W::kQ8 ? _mm512_set1_ps(w.scale(n, g))
+                                : group_lut(w, w.scale(n, g), w.offset(n, g));
+        __m512 w0, w1;
+        dequant_block(w, n, b, v, w0, w1);
+        _mm512_storeu_ps(dst, w0);
+        _mm512_storeu_ps(dst + 16, w1);
+#else
+        dequant_block_scalar(w, n, b, w.scale(n, g), w.offset(n, g), dst);
+#endif
       }
   });
 }
