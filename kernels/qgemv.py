@@ -9,7 +9,9 @@ aligned when K is a multiple of 32, scales in their own plane for coalesced load
   and of weight 32b+j+16 in its high nibble (GGUF's order: one mask gives weights 0..15, one
   shift 16..31). `d`, `m` [N, ceil(K/g)], one per group of g weights (g a multiple of 32; the
   last group may be shorter), float16, bfloat16 or float32 (both the same):
-  w = d * q + m. (Q4_0: m = -8d; Q4_1: d and m as stored; tessera INT4: m = -zero * d.)
+  w = d * q + m. (Q4_0: m = -8d; Q4_1: d and m as stored.) Instead of an `m` plane the kernel
+  takes 4-bit zero points (m = -zero * d, tessera's asymmetric INT4) or nothing (m = -8d,
+  tessera's symmetric INT4), so INT4 layers keep no extra plane.
 - **Q8** (GGUF Q8_0): `qs` int8 [N, K], `d` float16 [N, K/32]: w = d * q.
 
 Activations stay float32 and the weights are formed exactly as `ref_q4_dequantize` forms them,
@@ -41,13 +43,25 @@ def unpack_q4_blocks(qs: torch.Tensor) -> torch.Tensor:
     return torch.stack((b & 0x0F, b >> 4), dim=2).reshape(n, half * 2)
 
 
-def ref_q4_dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                      group_size: int) -> torch.Tensor:
+def q4_offsets(d: torch.Tensor, m: torch.Tensor | None, zeros: torch.Tensor | None
+               ) -> torch.Tensor:
+    """float32 [N, G] offsets: `m` itself, else -zero * d from 4-bit zero points (packed two a
+    byte over the row-major [N, G], low nibble first), else -8 d (symmetric codes)."""
+    if m is not None:
+        return m.float()
+    if zeros is None:
+        return -8.0 * d.float()
+    z = torch.stack((zeros & 0x0F, zeros >> 4), dim=-1).flatten()[: d.numel()]
+    return -z.view(d.shape).float() * d.float()
+
+
+def ref_q4_dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                      group_size: int, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """Twin of the C++ dequantize: float32 [N, K], w = d * q + m per group."""
     codes = unpack_q4_blocks(qs).float()
     k = codes.shape[1]
     scale = d.float().repeat_interleave(group_size, dim=1)[:, :k]
-    offset = m.float().repeat_interleave(group_size, dim=1)[:, :k]
+    offset = q4_offsets(d, m, zeros).repeat_interleave(group_size, dim=1)[:, :k]
     return codes * scale + offset
 
 
@@ -56,10 +70,10 @@ def ref_q8_dequantize(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return qs.float() * d.float().repeat_interleave(BLOCK, dim=1)
 
 
-def ref_q4_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                  group_size: int) -> torch.Tensor:
+def ref_q4_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                  group_size: int, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 -> [..., N]: x @ ref_q4_dequantize(...)^T."""
-    return x @ ref_q4_dequantize(qs, d, m, group_size).t()
+    return x @ ref_q4_dequantize(qs, d, m, group_size, zeros).t()
 
 
 def ref_q8_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -67,14 +81,15 @@ def ref_q8_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.T
     return x @ ref_q8_dequantize(qs, d).t()
 
 
-def q4_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-              group_size: int) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N] over Q4 blocks (layout above); the C++ kernel on CPU
-    when built, else the twin. Raises RuntimeError on shapes or dtypes the layout forbids."""
+def q4_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+              group_size: int, zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 -> [..., N] over Q4 blocks (layout above; offsets from `m`, `zeros`
+    or neither, as `q4_offsets` says); the C++ kernel on CPU when built, else the twin.
+    Raises RuntimeError on shapes or dtypes the layout forbids."""
     if x.device.type != "cpu" or native() is None:
-        return ref_q4_linear(x, qs, d, m, group_size)
+        return ref_q4_linear(x, qs, d, m, group_size, zeros)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.tessera_quant.q4_linear(x2, qs, d, m, group_size)
+    y = torch.ops.tessera_quant.q4_linear(x2, qs, d, m, zeros, group_size)
     return y.view(*x.shape[:-1], qs.shape[0])
 
 
@@ -87,12 +102,12 @@ def q8_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tenso
     return y.view(*x.shape[:-1], qs.shape[0])
 
 
-def q4_dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                  group_size: int) -> torch.Tensor:
+def q4_dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int,
+                  zeros: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [N, K] (for many-row matmuls, where a dense fp32 matmul wins)."""
     if qs.device.type != "cpu" or native() is None:
-        return ref_q4_dequantize(qs, d, m, group_size)
-    return torch.ops.tessera_quant.q4_dequantize(qs, d, m, group_size)
+        return ref_q4_dequantize(qs, d, m, group_size, zeros)
+    return torch.ops.tessera_quant.q4_dequantize(qs, d, m, zeros, group_size)
 
 
 def q8_dequantize(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

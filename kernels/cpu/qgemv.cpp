@@ -6,6 +6,7 @@
 //       code (0..15) of weight 32b+j in its low nibble and of weight 32b+j+16 in its high
 //       nibble (GGUF's Q4_0/Q4_1 order). d, m [N, ceil(K/g)] per group of g weights (g a
 //       multiple of 32; the last group may be shorter), fp16, bf16 or fp32:  w = d*q + m.
+//       Instead of m: 4-bit zero points z (m = -z*d), or nothing (m = -8d, symmetric).
 //   Q8: qs int8 [N, K], d fp16 [N, K/32]:  w = d*q.
 // Activations stay float32: with w formed exactly as the twin forms it (d*q is exact in fp32
 // for 16-bit scales, so fma(q, d, m) rounds as d*q + m does), outputs differ from the twin's
@@ -41,16 +42,27 @@ inline float to_f32(c10::Half h) {
 inline float to_f32(c10::BFloat16 b) { return static_cast<float>(b); }
 inline float to_f32(float f) { return f; }
 
+// The offset m comes from its own plane, or from 4-bit zero points z (m = -z * d, packed two
+// a byte over the row-major [N, groups], low nibble first), or is -8 d (symmetric codes).
 template <typename S>
 struct Q4Weights {
   const uint8_t* qs;
   const S* d;
-  const S* m;
+  const S* m;          // or nullptr
+  const uint8_t* z;    // or nullptr
   int64_t K, groups, blocks_per_group;
   static constexpr bool kQ8 = false;
   const uint8_t* block(int64_t n, int64_t b) const { return qs + n * (K / 2) + b * 16; }
   float scale(int64_t n, int64_t g) const { return to_f32(d[n * groups + g]); }
-  float offset(int64_t n, int64_t g) const { return to_f32(m[n * groups + g]); }
+  float offset(int64_t n, int64_t g) const {
+    if (m != nullptr) return to_f32(m[n * groups + g]);
+    float zero = 8.0f;
+    if (z != nullptr) {
+      const int64_t i = n * groups + g;
+      zero = static_cast<float>((z[i >> 1] >> ((i & 1) * 4)) & 0x0F);
+    }
+    return -zero * scale(n, g);
+  }
 };
 
 struct Q8Weights {
@@ -272,8 +284,8 @@ void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weights ", K);
 }
 
-int64_t check_q4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
-                 int64_t group_size) {
+int64_t check_q4(const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
+                 const c10::optional<at::Tensor>& zeros, int64_t group_size) {
   TORCH_CHECK(qs.dtype() == at::kByte && qs.dim() == 2 && qs.is_contiguous(),
               "qs must be a contiguous 2-d uint8 tensor");
   const int64_t N = qs.size(0), K = qs.size(1) * 2;
@@ -281,27 +293,40 @@ int64_t check_q4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
   TORCH_CHECK(group_size > 0 && group_size % kBlock == 0, "group size ", group_size,
               " is not a positive multiple of 32");
   const int64_t groups = (K + group_size - 1) / group_size;
-  for (const at::Tensor* t : {&d, &m}) {
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == groups && t->is_contiguous(),
-                "scales and offsets must be contiguous [", N, ", ", groups, "]");
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == groups && d.is_contiguous(),
+              "scales must be contiguous [", N, ", ", groups, "]");
+  if (m.has_value()) {
+    TORCH_CHECK(!zeros.has_value(), "give offsets or zero points, not both");
+    TORCH_CHECK(m->dim() == 2 && m->size(0) == N && m->size(1) == groups &&
+                    m->is_contiguous() && m->dtype() == d.dtype(),
+                "offsets must be contiguous [", N, ", ", groups, "] of the scales' dtype");
   }
-  TORCH_CHECK(d.dtype() == m.dtype(), "scales and offsets must have one dtype");
+  if (zeros.has_value()) {
+    TORCH_CHECK(zeros->dtype() == at::kByte && zeros->is_contiguous() &&
+                    zeros->numel() * 2 >= N * groups,
+                "zero points must be contiguous uint8 holding ", N * groups, " nibbles");
+  }
   return K;
 }
 
 template <typename Fn>
-void with_q4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, int64_t group_size,
-             Fn&& fn) {
+void with_q4(const at::Tensor& qs, const at::Tensor& d, const c10::optional<at::Tensor>& m,
+             const c10::optional<at::Tensor>& zeros, int64_t group_size, Fn&& fn) {
   const int64_t K = qs.size(1) * 2, groups = (K + group_size - 1) / group_size;
   const int64_t bpg = group_size / kBlock;
   const uint8_t* q = qs.data_ptr<uint8_t>();
+  const uint8_t* z = zeros.has_value() ? zeros->data_ptr<uint8_t>() : nullptr;
+  auto run = [&](auto tag) {
+    using S = decltype(tag);
+    const S* mp = m.has_value() ? m->data_ptr<S>() : nullptr;
+    fn(Q4Weights<S>{q, d.data_ptr<S>(), mp, z, K, groups, bpg});
+  };
   if (d.dtype() == at::kHalf) {
-    fn(Q4Weights<c10::Half>{q, d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), K, groups, bpg});
+    run(c10::Half{});
   } else if (d.dtype() == at::kBFloat16) {
-    fn(Q4Weights<c10::BFloat16>{q, d.data_ptr<c10::BFloat16>(), m.data_ptr<c10::BFloat16>(), K,
-                                groups, bpg});
+    run(c10::BFloat16{});
   } else if (d.dtype() == at::kFloat) {
-    fn(Q4Weights<float>{q, d.data_ptr<float>(), m.data_ptr<float>(), K, groups, bpg});
+    run(float{});
   } else {
     TORCH_CHECK(false, "scales must be float16, bfloat16 or float32, got ", d.dtype());
   }
@@ -320,22 +345,23 @@ Q8Weights q8_weights(const at::Tensor& qs, const at::Tensor& d) {
 
 }  // namespace
 
-at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m,
-                     int64_t group_size) {
-  const int64_t K = check_q4(qs, d, m, group_size);
+at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                     c10::optional<at::Tensor> zeros, int64_t group_size) {
+  const int64_t K = check_q4(qs, d, m, zeros, group_size);
   check_x(x, K);
   const int64_t M = x.size(0), N = qs.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  with_q4(qs, d, m, group_size,
+  with_q4(qs, d, m, zeros, group_size,
           [&](const auto& w) { gemm(w, x.data_ptr<float>(), M, N, y.data_ptr<float>()); });
   return y;
 }
 
-at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, at::Tensor m, int64_t group_size) {
-  const int64_t K = check_q4(qs, d, m, group_size), N = qs.size(0);
+at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                         c10::optional<at::Tensor> zeros, int64_t group_size) {
+  const int64_t K = check_q4(qs, d, m, zeros, group_size), N = qs.size(0);
   auto out = at::empty({N, K}, qs.options().dtype(at::kFloat));
-  with_q4(qs, d, m, group_size,
+  with_q4(qs, d, m, zeros, group_size,
           [&](const auto& w) { dequantize_rows(w, N, out.data_ptr<float>()); });
   return out;
 }
@@ -361,9 +387,9 @@ at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d) {
 
 // Registered as torch ops (torch.ops.tessera_quant.*) so this file needs no line in ops.cpp.
 TORCH_LIBRARY(tessera_quant, m) {
-  m.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int group_size) -> Tensor",
-        &tessera::q4_linear);
-  m.def("q4_dequantize(Tensor qs, Tensor d, Tensor m, int group_size) -> Tensor",
+  m.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? zeros, int group_size) "
+        "-> Tensor", &tessera::q4_linear);
+  m.def("q4_dequantize(Tensor qs, Tensor d, Tensor? m, Tensor? zeros, int group_size) -> Tensor",
         &tessera::q4_dequantize);
   m.def("q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor", &tessera::q8_linear);
   m.def("q8_dequantize(Tensor qs, Tensor d) -> Tensor", &tessera::q8_dequantize);
