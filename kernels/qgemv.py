@@ -82,23 +82,31 @@ def ref_q8_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.T
 
 
 def q4_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-              group_size: int, zeros: torch.Tensor | None = None) -> torch.Tensor:
+              group_size: int, zeros: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] over Q4 blocks (layout above; offsets from `m`, `zeros`
-    or neither, as `q4_offsets` says); the C++ kernel on CPU when built, else the twin.
-    Raises RuntimeError on shapes or dtypes the layout forbids."""
+    or neither, as `q4_offsets` says); the C++ kernel on CPU when built, else the twin. `out`
+    (float32 [rows, N], contiguous) is written in full when given. Raises RuntimeError on
+    shapes or dtypes the layout forbids."""
     if x.device.type != "cpu" or native() is None:
-        return ref_q4_linear(x, qs, d, m, group_size, zeros)
+        y = ref_q4_linear(x, qs, d, m, group_size, zeros)
+        return y if out is None else out.copy_(y.reshape(out.shape))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.tessera_quant.q4_linear(x2, qs, d, m, zeros, group_size)
+    y = torch.empty(x2.shape[0], qs.shape[0]) if out is None else out
+    torch.ops.tessera_quant.q4_linear_out(x2, qs, d, m, zeros, group_size, y)
     return y.view(*x.shape[:-1], qs.shape[0])
 
 
-def q8_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N] over Q8 blocks (layout above); C++ kernel or twin."""
+def q8_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 -> [..., N] over Q8 blocks (layout above); C++ kernel or twin;
+    `out` as for `q4_linear`."""
     if x.device.type != "cpu" or native() is None:
-        return ref_q8_linear(x, qs, d)
+        y = ref_q8_linear(x, qs, d)
+        return y if out is None else out.copy_(y.reshape(out.shape))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.tessera_quant.q8_linear(x2, qs, d)
+    y = torch.empty(x2.shape[0], qs.shape[0]) if out is None else out
+    torch.ops.tessera_quant.q8_linear_out(x2, qs, d, y)
     return y.view(*x.shape[:-1], qs.shape[0])
 
 

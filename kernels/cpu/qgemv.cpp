@@ -345,16 +345,22 @@ Q8Weights q8_weights(const at::Tensor& qs, const at::Tensor& d) {
 
 }  // namespace
 
-at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
-                     c10::optional<at::Tensor> zeros, int64_t group_size) {
+void check_out(const at::Tensor& out, int64_t M, int64_t N) {
+  TORCH_CHECK(out.dtype() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == M && out.size(1) == N,
+              "out must be a contiguous float32 [", M, ", ", N, "] tensor");
+}
+
+// Every element of `out` is written (the tests poison it first).
+void q4_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                   c10::optional<at::Tensor> zeros, int64_t group_size, at::Tensor out) {
   const int64_t K = check_q4(qs, d, m, zeros, group_size);
   check_x(x, K);
   const int64_t M = x.size(0), N = qs.size(0);
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  check_out(out, M, N);
+  if (M == 0 || N == 0) return;
   with_q4(qs, d, m, zeros, group_size,
-          [&](const auto& w) { gemm(w, x.data_ptr<float>(), M, N, y.data_ptr<float>()); });
-  return y;
+          [&](const auto& w) { gemm(w, x.data_ptr<float>(), M, N, out.data_ptr<float>()); });
 }
 
 at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
@@ -366,14 +372,13 @@ at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> 
   return out;
 }
 
-at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d) {
+void q8_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out) {
   const Q8Weights w = q8_weights(qs, d);
   check_x(x, w.K);
   const int64_t M = x.size(0), N = qs.size(0);
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  gemm(w, x.data_ptr<float>(), M, N, y.data_ptr<float>());
-  return y;
+  check_out(out, M, N);
+  if (M == 0 || N == 0) return;
+  gemm(w, x.data_ptr<float>(), M, N, out.data_ptr<float>());
 }
 
 at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d) {
@@ -387,10 +392,11 @@ at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d) {
 
 // Registered as torch ops (torch.ops.tessera_quant.*) so this file needs no line in ops.cpp.
 TORCH_LIBRARY(tessera_quant, m) {
-  m.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? zeros, int group_size) "
-        "-> Tensor", &tessera::q4_linear);
+  m.def("q4_linear_out(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? zeros, "
+        "int group_size, Tensor(a!) out) -> ()", &tessera::q4_linear_out);
   m.def("q4_dequantize(Tensor qs, Tensor d, Tensor? m, Tensor? zeros, int group_size) -> Tensor",
         &tessera::q4_dequantize);
-  m.def("q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor", &tessera::q8_linear);
+  m.def("q8_linear_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out) -> ()",
+        &tessera::q8_linear_out);
   m.def("q8_dequantize(Tensor qs, Tensor d) -> Tensor", &tessera::q8_dequantize);
 }
