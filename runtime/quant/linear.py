@@ -22,6 +22,13 @@ with bf16 activations up to `Int4Linear.kernel_max_rows` rows (2.3x faster than 
 int4 rounding itself) and dequantize-then-matmul beyond it; FP8 dequantizes with integer bit
 operations in a compiled function of the weight alone (static shapes, so no recompile per batch
 size) and runs an fp32 matmul: 3x slower than fp32 at one row on CPU, a memory format only here.
+
+Since issue 16, INT4 on CPU with the C++ ops built (and in % 32 == 0) uses the q4 block kernel
+instead (`layout="q4_blocks"`, kernels/cpu/qgemv.cpp): fp32 activations, codes dequantized in
+registers exactly as `dequantize` forms them, any group size with a short last group read with
+its own scale; faster than int4pack at 1, 8 and 32 rows on the model's shapes and as exact as
+the fp32 path (ops/bench/RESULTS.md, "CPU weight kernels"). Past `q4_kernel_max_rows` rows it
+dequantizes (in C++) and runs an fp32 matmul.
 """
 
 from __future__ import annotations
