@@ -44,7 +44,7 @@ from kernels.fp8 import decode_e4m3_bits
 from kernels.qgemv import BLOCK, pack_q4_blocks, q4_dequantize, q4_linear, unpack_q4_blocks
 from runtime.errors import InvalidArgument
 from runtime.quant.fp8 import quantize_fp8_per_channel
-from runtime.quant.int4 import quantize_int4_groupwise
+from runtime.quant.int4 import best_group_params, quantize_int4_groupwise, quantize_to_codes
 
 _KERNEL_BLOCK_N = 64  # rows interleaved per block in torch's CPU int4pack layout (AVX512 build)
 
@@ -196,20 +196,17 @@ def quantize_int4_packed(weight: torch.Tensor, group_size: int, symmetric: bool,
                          name: str = "weight", hessian: torch.Tensor | None = None,
                          act_order: bool = False) -> dict[str, torch.Tensor]:
     """[out, in] float -> checkpoint tensors (see `Int4Linear`). A last group shorter than
-    `group_size` is quantized on its own: it is padded with copies of its last column, which
-    changes neither its amax nor its min/max, and the padding is dropped. With a calibration
+    `group_size` is quantized on its own columns (`_quantize_with_short_group`). With a calibration
     `hessian` ([in, in], sum of x x^T), the codes come from GPTQ (`runtime.quant.gptq`,
     optionally in act order)."""
-    out_dim, in_dim = weight.shape
+    in_dim = weight.shape[1]
     if hessian is not None:
         from runtime.quant.gptq import gptq_int4
 
         codes, scale, zeros = gptq_int4(weight, hessian, group_size, symmetric, name,
                                         act_order=act_order)
     else:
-        pad = -in_dim % group_size
-        padded = torch.cat([weight, weight[:, -1:].expand(out_dim, pad)], 1) if pad else weight
-        codes, scale, zeros = quantize_int4_groupwise(padded, group_size, symmetric, name)
+        codes, scale, zeros = _quantize_with_short_group(weight, group_size, symmetric, name)
     codes = codes[:, :in_dim]
     if in_dim % 2:
         codes = F.pad(codes, (0, 1))
@@ -219,6 +216,26 @@ def quantize_int4_packed(weight: torch.Tensor, group_size: int, symmetric: bool,
         flat = zeros.flatten()
         tensors["weight_zero_point"] = _pack_rows(F.pad(flat, (0, flat.numel() % 2)))
     return tensors
+
+
+def _quantize_with_short_group(weight: torch.Tensor, group_size: int, symmetric: bool, name: str
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest codes with a last group shorter than `group_size` searched on its own
+    columns only. (It was padded with copies of its last column, which left amax and min/max
+    alone but made the scale search weigh that one column ~65 times over the rest.)"""
+    full = weight.shape[1] - weight.shape[1] % group_size
+    parts = []
+    if full:
+        parts.append(quantize_int4_groupwise(weight[:, :full], group_size, symmetric, name))
+    if full < weight.shape[1]:
+        tail = weight[:, full:].float().unsqueeze(1)  # [out, 1 group, short width]
+        scale, offset = best_group_params(tail, symmetric)
+        codes = quantize_to_codes(tail, scale, offset).squeeze(1).to(torch.uint8)
+        parts.append((codes, scale, None if symmetric else offset.to(torch.uint8)))
+    codes = torch.cat([p[0] for p in parts], dim=1)
+    scale = torch.cat([p[1] for p in parts], dim=1)
+    zeros = None if symmetric else torch.cat([p[2] for p in parts], dim=1)  # type: ignore[misc]
+    return codes, scale, zeros
 
 
 @functools.cache

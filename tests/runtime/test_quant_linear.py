@@ -136,3 +136,17 @@ def test_fp8_forward_equals_linear_over_dequantized_weight(shape):
     for rows in (1, 33):
         x = torch.randn(rows, shape[1])
         assert rel_err(layer(x), F.linear(x, ref_weight, bias)) < FP32_REL_TOL
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_int4_short_last_group_is_searched_on_its_own_columns_only(symmetric):
+    # 576 inputs at g128: the last group holds 64 columns. Its codes and scale are exactly what
+    # quantizing those 64 columns as one full group gives (no padded column weighs in).
+    w = torch.randn(96, 576, generator=torch.Generator().manual_seed(5)) * 0.05
+    w[:, -1] *= 6  # an outlier in the last column, which the old padding counted 65 times
+    packed = Int4Linear.from_float(w, group_size=128, symmetric=symmetric, layout="rows")
+    codes, scale, zeros = quantize_int4_groupwise(w[:, 512:], 64, symmetric)
+    assert torch.equal(packed.codes()[:, 512:], codes)
+    assert torch.equal(packed.weight_scale[:, 4:].float(), scale.to(torch.bfloat16).float())
+    if zeros is not None:
+        assert torch.equal(packed.zeros()[:, 4:], zeros.to(torch.uint8))
