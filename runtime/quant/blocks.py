@@ -11,6 +11,7 @@ the dequantized fp32 model, in a different summation order.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +51,7 @@ class BlockPlanes:
     def in_features(self) -> int:
         return self.qs.shape[1] * (2 if self.kind == "q4" else 1)
 
-    def rows(self, fn) -> BlockPlanes:
+    def rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockPlanes:
         """The same planes with `fn` applied to every plane's rows (a row permutation)."""
         return BlockPlanes(self.kind, fn(self.qs), fn(self.d), None if self.m is None
                            else fn(self.m))
