@@ -22,7 +22,7 @@ from typing import Any
 
 log = logging.getLogger("tessera.kernels")
 
-_SOURCES = ("ops.cpp", "paged_decode.cpp", "store_kv.cpp", "e4m3_gather.cpp")
+_SOURCES = ("ops.cpp", "paged_decode.cpp", "store_kv.cpp", "e4m3_gather.cpp", "qgemv.cpp")
 
 
 _ROOT = Path(__file__).parent / "cpu"

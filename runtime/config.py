@@ -140,6 +140,9 @@ class EngineConfig:
     decode_weights: str = "auto"
     weight_group_size: int = 128
     weight_symmetric: bool = True
+    # GGUF files: serve Q4_0/Q4_1/Q8_0 tensors as stored ("stored"), dequantize them to the
+    # compute dtype at load ("dequantize"), or "auto": stored where the C++ kernels run (CPU).
+    gguf_weights: str = "auto"
     # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).
     tensor_parallel_size: int = 1
 
@@ -159,6 +162,9 @@ class EngineConfig:
         if not 0.0 < self.tenant_page_quota <= 1.0:
             raise InvalidArgument(f"tenant_page_quota must be in (0, 1], got "
                                   f"{self.tenant_page_quota}", field="tenant_page_quota")
+        if self.gguf_weights not in ("auto", "stored", "dequantize"):
+            raise InvalidArgument(f"gguf_weights must be auto, stored or dequantize, got "
+                                  f"{self.gguf_weights!r}", field="gguf_weights")
         if self.integrity not in ("tags", "off"):
             raise InvalidArgument(f"integrity must be 'tags' or 'off', got {self.integrity!r}",
                                   field="integrity")

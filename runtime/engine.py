@@ -122,6 +122,14 @@ class LLMEngine:
         else two sharing everything but the linear layers (both resident, both counted)."""
         with torch.device("meta"):
             model = model_class(self.model_config)(self.model_config)
+        from runtime.loader.gguf_blocks import load_gguf_as_stored, serves_as_stored
+
+        # NOTE: tensor-parallel ranks shard dense weights: blocks are served on one rank only.
+        if self.tp is None and serves_as_stored(self.config.gguf_weights, self.checkpoint,
+                                                self.formats, self.dtype, self.device):
+            load_gguf_as_stored(model, self.checkpoint, self.dtype)  # type: ignore[arg-type]
+            base = model.to(self.device).eval()
+            return base, base
         stored = self.checkpoint.quantization
         model.load_weights(self.checkpoint.tensors(), self.dtype, quantization=stored)
         if self.tp is not None:

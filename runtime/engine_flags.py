@@ -58,6 +58,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("weight-group-size", "int4 group size", _DEFAULTS.weight_group_size, int,
          choices=tuple(INT4_GROUP_SIZES)),
     Flag("weight-asymmetric", "int4 with a zero point per group", False, switch=True),
+    Flag("gguf-weights", "GGUF files: serve Q4_0/Q4_1/Q8_0 blocks as stored, or dequantize "
+         "them at load ('auto' = stored where the C++ CPU kernels run)", _DEFAULTS.gguf_weights,
+         choices=("auto", "stored", "dequantize")),
     Flag("serving-config", 'JSON file: {"prefill": {"weights": "fp8", "kv_cache_dtype": '
          '"bf16"}, "decode": {"weights": "int4", "kv_cache_dtype": "fp8"}} (overrides the '
          "format flags)"),
@@ -112,4 +115,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                         tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
+                        gguf_weights=getattr(args, "gguf_weights", "auto"),
                         **format_kwargs(args))

@@ -27,7 +27,8 @@ class LLM:
                  tenant_page_quota: float = 1.0, kv_cache_dtype: str = "auto",
                  prefill_kv_cache_dtype: str = "auto", prefill_weights: str = "auto",
                  decode_weights: str = "auto", weight_group_size: int = 128,
-                 weight_symmetric: bool = True, tensor_parallel_size: int = 1) -> None:
+                 weight_symmetric: bool = True, tensor_parallel_size: int = 1,
+                 gguf_weights: str = "auto") -> None:
         config = EngineConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
@@ -39,7 +40,8 @@ class LLM:
                               prefill_weights=prefill_weights, decode_weights=decode_weights,
                               weight_group_size=weight_group_size,
                               weight_symmetric=weight_symmetric,
-                              tensor_parallel_size=tensor_parallel_size)
+                              tensor_parallel_size=tensor_parallel_size,
+                              gguf_weights=gguf_weights)
         self.engine = LLMEngine.from_path(model, config)
         self._ids = itertools.count()
 

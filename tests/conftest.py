@@ -35,10 +35,12 @@ def default_model_path():
 
 @pytest.fixture(scope="session")
 def llm():
-    """The embedded default model in an engine with a 256 MiB fp32 KV pool (~5,800 tokens)."""
+    """The embedded default model in an engine with a 256 MiB fp32 KV pool (~5,800 tokens),
+    its GGUF blocks dequantized to fp32 at load: the model transformers is compared with
+    (tests/runtime/test_gguf_stored.py compares the blocks served as stored with it)."""
     from runtime import LLM
 
-    return LLM(kv_cache_bytes=256 << 20, max_num_seqs=32)
+    return LLM(kv_cache_bytes=256 << 20, max_num_seqs=32, gguf_weights="dequantize")
 
 
 @pytest.fixture

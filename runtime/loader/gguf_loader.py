@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -13,6 +13,9 @@ from runtime.config import ModelConfig
 from runtime.errors import ModelLoadError
 from runtime.loader.checkpoint import Checkpoint
 from runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from runtime.quant.blocks import BlockPlanes
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -55,12 +58,15 @@ class GGUFCheckpoint(Checkpoint):
         ckpt.reader = reader
         return ckpt
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor dequantized to float32, by Hugging Face name, but those in `skip`."""
         from gguf import quants
 
         cfg = self.config
         for t in self.reader.tensors:
             name = _hf_name(t.name)
+            if name in skip:
+                continue
             try:
                 data = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
             except Exception as e:
@@ -73,6 +79,25 @@ class GGUFCheckpoint(Checkpoint):
             elif name.endswith("self_attn.k_proj.weight"):
                 tensor = _unpermute(tensor, cfg.num_key_value_heads)
             yield name, tensor
+
+
+    def block_tensors(self) -> Iterator[tuple[str, BlockPlanes]]:
+        """The Q4_0 / Q4_1 / Q8_0 tensors as block planes, bytes as stored (q/k rows put back
+        in Hugging Face order, a row permutation), by Hugging Face name; others are skipped."""
+        from runtime.quant.blocks import GGUF_BLOCK_TYPES, import_gguf_blocks
+
+        cfg = self.config
+        for t in self.reader.tensors:
+            kind = t.tensor_type.name
+            if kind not in GGUF_BLOCK_TYPES:
+                continue
+            name = _hf_name(t.name)
+            planes = import_gguf_blocks(t.data, kind, name)
+            if name.endswith("self_attn.q_proj.weight"):
+                planes = planes.rows(lambda p: _unpermute(p, cfg.num_attention_heads))
+            elif name.endswith("self_attn.k_proj.weight"):
+                planes = planes.rows(lambda p: _unpermute(p, cfg.num_key_value_heads))
+            yield name, planes
 
 
 def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -22,6 +22,13 @@ with bf16 activations up to `Int4Linear.kernel_max_rows` rows (2.3x faster than 
 int4 rounding itself) and dequantize-then-matmul beyond it; FP8 dequantizes with integer bit
 operations in a compiled function of the weight alone (static shapes, so no recompile per batch
 size) and runs an fp32 matmul: 3x slower than fp32 at one row on CPU, a memory format only here.
+
+Since issue 16, INT4 on CPU with the C++ ops built (and in % 32 == 0) uses the q4 block kernel
+instead (`layout="q4_blocks"`, kernels/cpu/qgemv.cpp): fp32 activations, codes dequantized in
+registers exactly as `dequantize` forms them, any group size with a short last group read with
+its own scale; faster than int4pack at 1, 8 and 32 rows on the model's shapes and as exact as
+the fp32 path (ops/bench/RESULTS.md, "CPU weight kernels"). Past `q4_kernel_max_rows` rows it
+dequantizes (in C++) and runs an fp32 matmul.
 """
 
 from __future__ import annotations
@@ -32,9 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_ops import native
 from kernels.fp8 import decode_e4m3_bits
+from kernels.qgemv import BLOCK, pack_q4_blocks, q4_dequantize, q4_linear, unpack_q4_blocks
+from runtime.errors import InvalidArgument
 from runtime.quant.fp8 import quantize_fp8_per_channel
-from runtime.quant.int4 import quantize_int4_groupwise
+from runtime.quant.int4 import best_group_params, quantize_int4_groupwise, quantize_to_codes
 
 _KERNEL_BLOCK_N = 64  # rows interleaved per block in torch's CPU int4pack layout (AVX512 build)
 
@@ -74,27 +84,32 @@ class Fp8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """y = x @ ((codes - zero) * group scale)^T + bias; zero = 8 when symmetric.
 
-    Stored: `weight_packed` uint8 [out, in/2] (two codes a byte, low nibble first, or torch's
-    CPU int4pack layout when `layout == "cpu_int4pack"`: same bytes, rows interleaved in blocks),
+    Stored: `weight_packed` uint8 [out, in/2] (two codes a byte, low nibble first; or, by
+    `layout`, "q4_blocks": `kernels.qgemv`'s 32-code blocks, the default on CPU with the C++ ops
+    and in % 32 == 0; "cpu_int4pack": torch's CPU int4pack layout, rows interleaved in blocks),
     `weight_scale` bf16 [out, ceil(in/g)] (the last group may be shorter), and when asymmetric
     `weight_zero_point` uint8 [ceil(out*groups/2)], the row-major zeros packed two a byte.
     """
 
     kernel_max_rows = 128  # past this the dequantize-then-matmul path wins (table above)
+    q4_kernel_max_rows = 32  # the same for the q4 block kernel (ops/bench/RESULTS.md)
 
     def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                  weight_zero_point: torch.Tensor | None, in_features: int, group_size: int,
-                 bias: torch.Tensor | None = None, use_kernel: bool | None = None) -> None:
+                 bias: torch.Tensor | None = None, layout: str | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_packed.shape[0], in_features
         self.group_size, self.symmetric = group_size, weight_zero_point is None
         self.num_groups = weight_scale.shape[1]
-        if use_kernel is None:
-            use_kernel = _kernel_fits(self.out_features, in_features, weight_packed.device)
-        self.layout = "rows"
-        if use_kernel:
+        self.layout = layout or _default_layout(self.out_features, in_features,
+                                                weight_packed.device)
+        if self.layout not in INT4_LAYOUTS:
+            raise InvalidArgument(f"int4 layout must be one of {INT4_LAYOUTS}, got {layout!r}",
+                                  field="layout")
+        if self.layout == "q4_blocks":
+            weight_packed = pack_q4_blocks(_unpack_rows(weight_packed)[:, :in_features])
+        elif self.layout == "cpu_int4pack":
             weight_packed = _to_kernel_layout(_unpack_rows(weight_packed))
-            self.layout = "cpu_int4pack"
         self.register_buffer("weight_packed", weight_packed)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_zero_point", weight_zero_point)
@@ -103,15 +118,17 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    group_size: int = 128, symmetric: bool = True, name: str = "weight",
-                   use_kernel: bool | None = None) -> Int4Linear:
+                   layout: str | None = None) -> Int4Linear:
         t = quantize_int4_packed(weight, group_size, symmetric, name)
         return cls(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
-                   weight.shape[1], group_size, bias, use_kernel)
+                   weight.shape[1], group_size, bias, layout)
 
     def codes(self) -> torch.Tensor:
         """uint8 [out, in] in 0..15, whatever the storage layout."""
         if self.layout == "cpu_int4pack":
             return _from_kernel_layout(self.weight_packed)
+        if self.layout == "q4_blocks":
+            return unpack_q4_blocks(self.weight_packed)
         return _unpack_rows(self.weight_packed)[:, : self.in_features]
 
     def zeros(self) -> torch.Tensor | None:
@@ -129,6 +146,9 @@ class Int4Linear(nn.Module):
         return out
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.layout == "q4_blocks":  # w = (q - zero) * scale, bit for bit (kernels.qgemv)
+            return q4_dequantize(self.weight_packed, self.weight_scale, None, self.group_size,
+                                 self.weight_zero_point).to(dtype)
         g, k = self.group_size, self.in_features
         codes = self.codes().to(torch.float32)
         scale = self.weight_scale.to(torch.float32).repeat_interleave(g, dim=1)[:, :k]
@@ -138,6 +158,11 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if (self.layout == "q4_blocks" and rows <= self.q4_kernel_max_rows
+                and x.dtype == torch.float32):
+            y = q4_linear(x, self.weight_packed, self.weight_scale, None, self.group_size,
+                          self.weight_zero_point)
+            return y if self.bias is None else y + self.bias
         if self.layout != "cpu_int4pack" or rows > self.kernel_max_rows:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         kernel_group = _kernel_group_size(self.in_features, self.group_size)
@@ -171,20 +196,17 @@ def quantize_int4_packed(weight: torch.Tensor, group_size: int, symmetric: bool,
                          name: str = "weight", hessian: torch.Tensor | None = None,
                          act_order: bool = False) -> dict[str, torch.Tensor]:
     """[out, in] float -> checkpoint tensors (see `Int4Linear`). A last group shorter than
-    `group_size` is quantized on its own: it is padded with copies of its last column, which
-    changes neither its amax nor its min/max, and the padding is dropped. With a calibration
+    `group_size` is quantized on its own columns (`_quantize_with_short_group`). With a calibration
     `hessian` ([in, in], sum of x x^T), the codes come from GPTQ (`runtime.quant.gptq`,
     optionally in act order)."""
-    out_dim, in_dim = weight.shape
+    in_dim = weight.shape[1]
     if hessian is not None:
         from runtime.quant.gptq import gptq_int4
 
         codes, scale, zeros = gptq_int4(weight, hessian, group_size, symmetric, name,
                                         act_order=act_order)
     else:
-        pad = -in_dim % group_size
-        padded = torch.cat([weight, weight[:, -1:].expand(out_dim, pad)], 1) if pad else weight
-        codes, scale, zeros = quantize_int4_groupwise(padded, group_size, symmetric, name)
+        codes, scale, zeros = _quantize_with_short_group(weight, group_size, symmetric, name)
     codes = codes[:, :in_dim]
     if in_dim % 2:
         codes = F.pad(codes, (0, 1))
@@ -194,6 +216,26 @@ def quantize_int4_packed(weight: torch.Tensor, group_size: int, symmetric: bool,
         flat = zeros.flatten()
         tensors["weight_zero_point"] = _pack_rows(F.pad(flat, (0, flat.numel() % 2)))
     return tensors
+
+
+def _quantize_with_short_group(weight: torch.Tensor, group_size: int, symmetric: bool, name: str
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest codes with a last group shorter than `group_size` searched on its own
+    columns only. (It was padded with copies of its last column, which left amax and min/max
+    alone but made the scale search weigh that one column ~65 times over the rest.)"""
+    full = weight.shape[1] - weight.shape[1] % group_size
+    parts = []
+    if full:
+        parts.append(quantize_int4_groupwise(weight[:, :full], group_size, symmetric, name))
+    if full < weight.shape[1]:
+        tail = weight[:, full:].float().unsqueeze(1)  # [out, 1 group, short width]
+        scale, offset = best_group_params(tail, symmetric)
+        codes = quantize_to_codes(tail, scale, offset).squeeze(1).to(torch.uint8)
+        parts.append((codes, scale, None if symmetric else offset.to(torch.uint8)))
+    codes = torch.cat([p[0] for p in parts], dim=1)
+    scale = torch.cat([p[1] for p in parts], dim=1)
+    zeros = None if symmetric else torch.cat([p[2] for p in parts], dim=1)  # type: ignore[misc]
+    return codes, scale, zeros
 
 
 @functools.cache
@@ -215,6 +257,19 @@ def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
 
 def _unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+INT4_LAYOUTS = ("q4_blocks", "cpu_int4pack", "rows")
+
+
+def _default_layout(out_features: int, in_features: int, device: torch.device) -> str:
+    """The q4 block kernel where it runs (CPU, C++ ops built, in % 32 == 0: faster than torch's
+    int4pack at every row count, ops/bench/RESULTS.md), else torch's, else plain rows."""
+    if device.type == "cpu" and in_features % BLOCK == 0 and native() is not None:
+        return "q4_blocks"
+    if _kernel_fits(out_features, in_features, device):
+        return "cpu_int4pack"
+    return "rows"
 
 
 def _kernel_group_size(in_features: int, group_size: int) -> int:

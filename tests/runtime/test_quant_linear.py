@@ -1,6 +1,6 @@
-"""Packed linear modules: forward equals F.linear over the dequantized weight, on both INT4 paths
-(torch's CPU int4pack kernel and dequantize-then-matmul) and for FP8; only packed data is
-resident; the checkpoint form does not depend on the in-memory layout."""
+"""Packed linear modules: forward equals F.linear over the dequantized weight, on every INT4 path
+(the q4 block kernel, torch's CPU int4pack kernel, dequantize-then-matmul) and for FP8; only
+packed data is resident; the checkpoint form does not depend on the in-memory layout."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_ops import native
+from runtime.errors import InvalidArgument
 from runtime.quant import (
     Fp8Linear,
     Int4Linear,
@@ -33,6 +35,18 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).abs().max() / ref.abs().max())
 
 
+def layouts_for(shape: tuple[int, int]) -> list[str | None]:
+    """The default choice and every layout that can hold this shape."""
+    out: list[str | None] = [None, "rows"]
+    if shape[1] % 32 == 0 and native() is not None:
+        out.append("q4_blocks")
+    if shape[0] % 64 == 0 and shape[1] % 32 == 0:
+        out.append("cpu_int4pack")
+    return out
+
+
+# Every INT4 path (each layout's kernel, each row-count regime, each group size, a short last
+# group where 576 or 100 inputs make 4.5 or 0.8 groups) against the dequantized twin.
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
@@ -40,21 +54,28 @@ def test_int4_forward_equals_linear_over_dequantized_weight(shape, group_size, s
     gen = torch.Generator().manual_seed(hash((shape, group_size, symmetric)) % 2**31)
     w = torch.randn(shape, generator=gen) * 0.05
     bias = torch.randn(shape[0], generator=gen)
-    layer = Int4Linear.from_float(w, bias, group_size, symmetric)
-    weight = layer.dequantize()
+    base = Int4Linear.from_float(w, bias, group_size, symmetric, layout="rows")
+    weight = base.dequantize()
     # Within a few steps even where the scale search clipped an outlier (runtime/quant/int4.py).
-    assert (weight - w).abs().max() <= 4 * layer.weight_scale.float().abs().max()
-    for rows in (1, 5, Int4Linear.kernel_max_rows + 1):
-        x = torch.randn(rows, shape[1], generator=gen)
-        tol = KERNEL_REL_TOL if layer.layout == "cpu_int4pack" and rows <= 128 else FP32_REL_TOL
-        y = layer(x)
-        assert y.dtype == torch.float32 and y.shape == (rows, shape[0])
-        assert rel_err(y, F.linear(x, weight, bias)) < tol
+    assert (weight - w).abs().max() <= 4 * base.weight_scale.float().abs().max()
+    for layout in layouts_for(shape):
+        layer = Int4Linear.from_float(w, bias, group_size, symmetric, layout=layout)
+        assert torch.equal(layer.dequantize(), weight), layer.layout
+        for rows in (1, 5, 32, 33, Int4Linear.kernel_max_rows + 1):
+            x = torch.randn(rows, shape[1], generator=gen)
+            bf16 = layer.layout == "cpu_int4pack" and rows <= Int4Linear.kernel_max_rows
+            y = layer(x)
+            assert y.dtype == torch.float32 and y.shape == (rows, shape[0])
+            err = rel_err(y, F.linear(x, weight, bias))
+            assert err < (KERNEL_REL_TOL if bf16 else FP32_REL_TOL), (layer.layout, rows, err)
 
 
-def test_int4_kernel_layout_is_used_for_the_default_models_shapes():
-    assert Int4Linear.from_float(torch.randn(960, 576), group_size=128).layout == "cpu_int4pack"
+def test_int4_block_kernel_layout_is_the_default_where_the_cpu_ops_run():
+    want = "q4_blocks" if native() is not None else "cpu_int4pack"
+    assert Int4Linear.from_float(torch.randn(960, 576), group_size=128).layout == want
     assert Int4Linear.from_float(torch.randn(7, 100), group_size=32).layout == "rows"
+    with pytest.raises(InvalidArgument, match="layout"):
+        Int4Linear.from_float(torch.randn(7, 96), group_size=32, layout="tiles")
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
@@ -68,11 +89,12 @@ def test_int4_dequantize_matches_the_tensor_functions_when_groups_divide(symmetr
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-def test_int4_checkpoint_form_does_not_depend_on_the_memory_layout(symmetric):
+@pytest.mark.parametrize("layout", ["q4_blocks", "cpu_int4pack"])
+def test_int4_checkpoint_form_does_not_depend_on_the_memory_layout(symmetric, layout):
     w = torch.randn(192, 576)
-    kernel = Int4Linear.from_float(w, group_size=128, symmetric=symmetric, use_kernel=True)
-    rows = Int4Linear.from_float(w, group_size=128, symmetric=symmetric, use_kernel=False)
-    assert kernel.layout != rows.layout
+    kernel = Int4Linear.from_float(w, group_size=128, symmetric=symmetric, layout=layout)
+    rows = Int4Linear.from_float(w, group_size=128, symmetric=symmetric, layout="rows")
+    assert kernel.layout == layout != rows.layout
     a, b = kernel.packed_tensors(), rows.packed_tensors()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(kernel.dequantize(), rows.dequantize())
@@ -114,3 +136,17 @@ def test_fp8_forward_equals_linear_over_dequantized_weight(shape):
     for rows in (1, 33):
         x = torch.randn(rows, shape[1])
         assert rel_err(layer(x), F.linear(x, ref_weight, bias)) < FP32_REL_TOL
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_int4_short_last_group_is_searched_on_its_own_columns_only(symmetric):
+    # 576 inputs at g128: the last group holds 64 columns. Its codes and scale are exactly what
+    # quantizing those 64 columns as one full group gives (no padded column weighs in).
+    w = torch.randn(96, 576, generator=torch.Generator().manual_seed(5)) * 0.05
+    w[:, -1] *= 6  # an outlier in the last column, which the old padding counted 65 times
+    packed = Int4Linear.from_float(w, group_size=128, symmetric=symmetric, layout="rows")
+    codes, scale, zeros = quantize_int4_groupwise(w[:, 512:], 64, symmetric)
+    assert torch.equal(packed.codes()[:, 512:], codes)
+    assert torch.equal(packed.weight_scale[:, 4:].float(), scale.to(torch.bfloat16).float())
+    if zeros is not None:
+        assert torch.equal(packed.zeros()[:, 4:], zeros.to(torch.uint8))

@@ -1,0 +1,106 @@
+"""Serving a GGUF file's quantized tensors as stored: the model's projections, embedding and
+lm_head are built from Q4_0 / Q4_1 / Q8_0 block planes (`runtime.quant.blocks`) before the
+remaining tensors load, so no fp32 copy of them is ever made.
+
+A fused projection (q/k/v, gate/up) is built from blocks only when all its shards share one
+block kind; otherwise it, like every F32/F16 or other-typed tensor, loads dequantized.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from runtime.errors import InvalidArgument
+from runtime.loader.gguf_loader import GGUFCheckpoint
+from runtime.quant.blocks import BlockEmbedding, BlockLinear, cat_planes
+from runtime.serving_formats import ServingFormats
+
+log = logging.getLogger("tessera.loader")
+
+# fused module -> its checkpoint shards, in order
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "self_attn.o_proj": ("self_attn.o_proj",),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+          "mlp.down_proj": ("mlp.down_proj",)}
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def load_gguf_as_stored(model: nn.Module, checkpoint: GGUFCheckpoint,
+                        dtype: torch.dtype) -> int:
+    """Put block modules into `model` (on meta) for every block tensor it can serve, then
+    load the rest with `model.load_weights`. Returns the bytes of the planes kept."""
+    blocks = dict(checkpoint.block_tensors())
+    used: set[str] = set()
+    kept = 0
+    for i in range(model.config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        for fused, shards in _FUSED.items():
+            names = [f"{layer}.{s}.weight" for s in shards]
+            parts = [blocks.get(n) for n in names]
+            if any(p is None for p in parts) or len({(p.kind, p.in_features)
+                                                     for p in parts if p}) != 1:
+                continue  # loads dequantized (nn.Linear) like any other tensor
+            planes = cat_planes([p for p in parts if p is not None])
+            _replace(model, f"{layer}.{fused}", BlockLinear(planes))
+            used.update(names)
+            kept += planes.nbytes()
+    tied = model.config.tie_word_embeddings
+    if EMBED in blocks:
+        _replace(model, "model.embed_tokens", BlockEmbedding(blocks[EMBED]))
+        used.add(EMBED)
+        kept += blocks[EMBED].nbytes()
+        if tied:
+            _replace(model, "lm_head", BlockLinear(blocks[EMBED]))
+    if HEAD in blocks and not tied:
+        _replace(model, "lm_head", BlockLinear(blocks[HEAD]))
+        used.add(HEAD)
+        kept += blocks[HEAD].nbytes()
+    model.load_weights(checkpoint.tensors(skip=frozenset(used)), dtype)
+    log.info("GGUF weights served as stored: %d tensors in blocks (%.1f MB), %d dequantized",
+             len(used), kept / 1e6, len(checkpoint.reader.tensors) - len(used))
+    return kept
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+GGUF_WEIGHTS = ("auto", "stored", "dequantize")
+
+
+def serves_as_stored(choice: str, checkpoint: object, formats: ServingFormats,
+                     dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether to serve a checkpoint's GGUF blocks as stored. `choice` "dequantize": never;
+    "stored": yes for a GGUF file with block tensors (InvalidArgument if the serving formats
+    ask for other weights: fp8/int4 are converted from the dequantized model); "auto": only
+    where it is the faster path (fp32 compute on CPU with the C++ kernels loaded)."""
+    if choice not in GGUF_WEIGHTS:
+        raise InvalidArgument(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got "
+                              f"{choice!r}", field="gguf_weights")
+    if choice == "dequantize" or not _has_blocks(checkpoint):
+        return False
+    dense = formats.prefill.weights == formats.decode.weights and \
+        formats.decode.weights.name in ("fp32", "bf16", "fp16")
+    if choice == "stored":
+        if not dense:
+            raise InvalidArgument(f"gguf_weights=stored serves the file's own blocks; the "
+                                  f"formats ask for {formats.decode.weights.label} weights "
+                                  f"(use gguf_weights=dequantize to convert)",
+                                  field="gguf_weights")
+        return True
+    from kernels.cpu_ops import native
+
+    return (dense and dtype == torch.float32 and device.type == "cpu"
+            and native() is not None)
+
+
+def _has_blocks(checkpoint: object) -> bool:
+    if not isinstance(checkpoint, GGUFCheckpoint):
+        return False
+    from runtime.quant.blocks import GGUF_BLOCK_TYPES
+
+    return any(t.tensor_type.name in GGUF_BLOCK_TYPES for t in checkpoint.reader.tensors)

@@ -1,0 +1,190 @@
+"""Weights kept in 32-weight blocks as a GGUF file stores them (Q4_0, Q4_1, Q8_0): the planes,
+their import from GGUF bytes, and the modules that serve them without a dense copy.
+
+The planes are `kernels.qgemv`'s layout (it documents it): Q4 `qs` [N, K/2] with fp16 `d`, `m`
+[N, K/32] (w = d*q + m; Q4_0's m = -8d, exact in fp16), Q8 `qs` int8 [N, K] with fp16 `d`.
+Import moves bytes only: every weight dequantizes to exactly what `gguf.quants.dequantize`
+gives (tested bit for bit), so a model served from blocks computes with the very weights of
+the dequantized fp32 model, in a different summation order.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.qgemv import (
+    BLOCK,
+    q4_dequantize,
+    q4_linear,
+    q8_dequantize,
+    q8_linear,
+    ref_q4_dequantize,
+    ref_q8_dequantize,
+)
+from runtime.errors import ModelLoadError
+
+# GGUF type name -> (bytes per 32-weight block, plane kind)
+GGUF_BLOCK_TYPES = {"Q4_0": (18, "q4"), "Q4_1": (20, "q4"), "Q8_0": (34, "q8")}
+
+
+@dataclass
+class BlockPlanes:
+    """One [N, K] weight matrix as block planes (kind "q4": qs, d, m; "q8": qs, d)."""
+
+    kind: str
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.qs.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qs.shape[1] * (2 if self.kind == "q4" else 1)
+
+    def rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockPlanes:
+        """The same planes with `fn` applied to every plane's rows (a row permutation)."""
+        return BlockPlanes(self.kind, fn(self.qs), fn(self.d), None if self.m is None
+                           else fn(self.m))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K] (the torch twin: the reference the kernels are tested against)."""
+        if self.kind == "q4":
+            assert self.m is not None
+            return ref_q4_dequantize(self.qs, self.d, self.m, BLOCK)
+        return ref_q8_dequantize(self.qs, self.d)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m)
+                   if t is not None)
+
+
+def import_gguf_blocks(raw: np.ndarray, type_name: str, name: str = "tensor") -> BlockPlanes:
+    """GGUF block bytes (uint8 [N, K/32 * block bytes], as `GGUFReader` maps them) -> planes.
+
+    Raises ModelLoadError for a type this does not import or bytes that are not whole blocks.
+    """
+    if type_name not in GGUF_BLOCK_TYPES:
+        raise ModelLoadError(f"tensor {name} is {type_name}; blocks are imported only from "
+                             f"{', '.join(GGUF_BLOCK_TYPES)}", tensor=name)
+    size, kind = GGUF_BLOCK_TYPES[type_name]
+    with warnings.catch_warnings():  # a read-only memory map: only ever copied out of, below
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8))
+    if data.dim() != 2 or data.shape[1] % size:
+        raise ModelLoadError(f"tensor {name} holds {tuple(data.shape)} bytes, not rows of "
+                             f"{size}-byte {type_name} blocks", tensor=name)
+    n, nb = data.shape[0], data.shape[1] // size
+    blocks = data.view(n, nb, size)
+
+    def f16(lo: int) -> torch.Tensor:
+        return blocks[:, :, lo : lo + 2].contiguous().view(torch.float16).view(n, nb)
+
+    if kind == "q8":
+        qs = blocks[:, :, 2:].contiguous().view(torch.int8).view(n, nb * BLOCK)
+        return BlockPlanes("q8", qs, f16(0))
+    d = f16(0)
+    if type_name == "Q4_0":  # w = d * (q - 8) = d * q + (-8 d): exact in fp16 unless it overflows
+        m = -8.0 * d.float()
+        if not torch.isfinite(m.half()).all():
+            raise ModelLoadError(f"tensor {name} has Q4_0 scales too large to offset in fp16",
+                                 tensor=name)
+        m = m.half()
+        qs = blocks[:, :, 2:]
+    else:
+        m, qs = f16(2), blocks[:, :, 4:]
+    return BlockPlanes("q4", d=d, m=m, qs=qs.contiguous().view(n, nb * 16))
+
+
+def cat_planes(parts: list[BlockPlanes]) -> BlockPlanes:
+    """Shards stacked along the output rows (fused q/k/v, gate/up); one kind and K only."""
+    kinds = {(p.kind, p.in_features) for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot fuse blocks of different kinds or widths: {sorted(kinds)}")
+    m = None if parts[0].m is None else torch.cat([p.m for p in parts])  # type: ignore[misc]
+    return BlockPlanes(parts[0].kind, torch.cat([p.qs for p in parts]),
+                       torch.cat([p.d for p in parts]), m)
+
+
+class BlockLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W held as block planes, never as a dense tensor.
+
+    float32 x on CPU: the C++ kernel up to `kernel_max_rows` rows (decode), dequantize into a
+    temporary then an fp32 matmul beyond (prefill, where the matmul is compute-bound and a dense
+    BLAS wins; measured in ops/bench/RESULTS.md). Other dtypes or devices: dequantize and matmul.
+    Buffers are non-persistent: the planes come from the GGUF file, not from a state dict.
+    """
+
+    kernel_max_rows = 32
+    weight = None  # no dense weight; a tied assignment (`lm_head.weight = ...`) is a no-op
+
+    def __init__(self, planes: BlockPlanes, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.kind = planes.kind
+        self.in_features, self.out_features = planes.in_features, planes.out_features
+        self.register_buffer("qs", planes.qs, persistent=False)
+        self.register_buffer("d", planes.d, persistent=False)
+        self.register_buffer("m", planes.m, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "weight":
+            return  # a tied lm_head: the model assigns the embedding's; both read these planes
+        super().__setattr__(name, value)
+
+    def planes(self) -> BlockPlanes:
+        return BlockPlanes(self.kind, self.qs, self.d, self.m)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.kind == "q4":
+            return q4_dequantize(self.qs, self.d, self.m, BLOCK).to(dtype)
+        return q8_dequantize(self.qs, self.d).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if x.dtype != torch.float32 or x.device.type != "cpu" or rows > self.kernel_max_rows:
+            return F.linear(x, self.dequantize(x.dtype), self.bias)
+        if self.kind == "q4":
+            y = q4_linear(x, self.qs, self.d, self.m, BLOCK)
+        else:
+            y = q8_linear(x, self.qs, self.d)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.kind} blocks of {BLOCK} (GGUF, as stored)")
+
+
+class BlockEmbedding(nn.Module):
+    """Token embedding read from block planes: the looked-up rows are dequantized, nothing else
+    (the dequantized values equal the fp32 table's rows exactly)."""
+
+    weight = None  # no dense table (see BlockLinear.weight)
+
+    def __init__(self, planes: BlockPlanes) -> None:
+        super().__init__()
+        self.kind = planes.kind
+        self.num_embeddings, self.embedding_dim = planes.out_features, planes.in_features
+        self.register_buffer("qs", planes.qs, persistent=False)
+        self.register_buffer("d", planes.d, persistent=False)
+        self.register_buffer("m", planes.m, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, embedding_dim] float32
+        flat = ids.reshape(-1)
+        picked = BlockPlanes(self.kind, self.qs.index_select(0, flat),
+                             self.d.index_select(0, flat),
+                             None if self.m is None else self.m.index_select(0, flat))
+        return picked.dequantize().view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind} blocks (GGUF, as stored)"

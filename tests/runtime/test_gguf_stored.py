@@ -1,0 +1,89 @@
+"""The default model served from its GGUF blocks as stored (the default on CPU) against the same
+file dequantized to fp32 at load: same greedy tokens and near-equal logits in one continuous
+batch, a fraction of the weight bytes, and the choice refused where it cannot hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import LLM
+from runtime.errors import InvalidArgument
+from runtime.quant.blocks import BlockEmbedding, BlockLinear
+from runtime.sampling_params import SamplingParams
+from tests.helpers import capture_logits
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Hello, my name is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "<|im_start|>user\nWhat is gravity?<|im_end|>\n<|im_start|>assistant\n",
+    "Shopping list:\n- eggs\n- milk\n-",
+    "Le café de la gare est fermé aujourd'hui parce que",
+    "Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker "
+    "who had never once been late. Every morning he",
+    "The three laws of thermodynamics are:\n1.",
+]
+NEW_TOKENS = 32
+# Same weights, another summation order (block kernels vs fp32 BLAS): logits move by ~1e-5.
+LOGITS_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    """Both engines under the same single-thread setting (and no spin-waiting on a busy box)."""
+
+
+@pytest.fixture(scope="module")
+def stored():
+    return LLM(kv_cache_bytes=64 << 20, max_num_seqs=16)
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+def test_default_engine_serves_the_gguf_blocks_as_stored(stored, llm):
+    model = stored.engine.model
+    layer = model.model.layers[0]
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, BlockLinear) and qkv.kind == "q4"
+    assert isinstance(layer.mlp.down_proj, BlockLinear)
+    assert isinstance(model.model.embed_tokens, BlockEmbedding)
+    assert isinstance(model.lm_head, BlockLinear) and model.lm_head.kind == "q8"
+    assert model.lm_head.qs is model.model.embed_tokens.qs  # tied: one copy of the blocks
+    blocks, dense = stored.memory_footprint().weight_bytes, llm.memory_footprint().weight_bytes
+    assert blocks < 0.2 * dense  # ~97 MB of blocks vs ~538 MB of fp32
+
+
+def test_greedy_tokens_equal_the_dequantized_fp32_model(stored, llm):
+    ours, ref = greedy(stored), greedy(llm)
+    diverged = [(i, next(j for j, (a, b) in enumerate(zip(x, y, strict=True)) if a != b))
+                for i, (x, y) in enumerate(zip(ours, ref, strict=True)) if x != y]
+    assert not diverged, f"(prompt, first divergent token): {diverged}"
+
+
+def test_logits_stay_within_summation_noise_at_prefill_and_decode(stored, llm, monkeypatch):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    logits = {}
+    for name, engine in (("stored", stored.engine), ("dense", llm.engine)):
+        captured = capture_logits(engine, monkeypatch)
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(f"{name}-{i}", engine.tokenize_prompt(prompt)[1], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        logits[name] = {k.split("-", 1)[1]: torch.stack(v) for k, v in captured.items()}
+        monkeypatch.undo()
+    for key, ours in logits["stored"].items():
+        diff = (ours - logits["dense"][key]).abs().max()
+        assert diff < LOGITS_ATOL, f"prompt {key}: max |logit diff| {float(diff)}"
+
+
+def test_stored_blocks_are_refused_with_other_weight_formats():
+    with pytest.raises(InvalidArgument, match="gguf_weights"):
+        LLM(kv_cache_bytes=8 << 20, decode_weights="int4", gguf_weights="stored")
+    with pytest.raises(InvalidArgument, match="gguf_weights"):
+        LLM(kv_cache_bytes=8 << 20, gguf_weights="as-is")
