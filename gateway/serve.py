@@ -72,7 +72,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def worker_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The engine flags the user set, for every worker (the pool passes model and sizes)."""
-    return tuple(engine_argv(args, exclude=("model", "kv-cache-bytes", "max-num-seqs")))
+    return tuple(engine_argv(args, exclude=("model", "kv-cache-bytes", "max-num-seqs",
+                                            "worker-threads")))
 
 
 def serve_rest(runner: GatewayRunner, host: str = "127.0.0.1", port: int = 8000, *,
@@ -95,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       idle_ttl_s=args.idle_ttl_s,
                       recycle_after_requests=args.recycle_after_requests,
                       recycle_after_s=args.recycle_after_s, stuck_after_s=args.stuck_after_s,
-                      worker_args=worker_args(args))
+                      worker_args=worker_args(args), worker_threads=args.worker_threads)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 

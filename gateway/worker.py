@@ -132,7 +132,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_waiting=stats.num_waiting, num_preemptions=stats.num_preemptions,
             max_model_len=self.engine.max_model_len, prefix_cache=summary,
             requests_served=self.requests_served, integrity_checks=snap.integrity_checks,
-            integrity_mismatches=snap.integrity_mismatches, native_ops=self.native_ops)
+            integrity_mismatches=snap.integrity_mismatches, native_ops=self.native_ops,
+            num_threads=self.engine.num_threads)
 
 
 def _served(engine, model: str | None, worker_id: str,

@@ -130,8 +130,12 @@ class EngineConfig:
     decode_weights: str = "auto"
     weight_group_size: int = 128
     weight_symmetric: bool = True
+    num_threads: int | None = None  # CPU compute threads; None: every core we may run on
 
     def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise InvalidArgument(f"num_threads must be at least 1, got {self.num_threads}",
+                                  field="num_threads")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise InvalidArgument(f"page_size must be a power of two, got {self.page_size}",
                                   field="page_size")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
 from runtime.serving_formats import ServingFormats
+from runtime.threads import apply_num_threads
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("tessera.engine")
@@ -65,8 +65,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu" and os.environ.get("TESSERA_NUM_THREADS"):
-            torch.set_num_threads(int(os.environ["TESSERA_NUM_THREADS"]))
+        self.num_threads = (apply_num_threads(config.num_threads) if self.device.type == "cpu"
+                            else torch.get_num_threads())
         self.formats = ServingFormats.resolve(
             str(self.dtype).removeprefix("torch."), prefill_weights=config.prefill_weights,
             decode_weights=config.decode_weights, kv_cache_dtype=config.kv_cache_dtype,

@@ -58,6 +58,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("weight-group-size", "int4 group size", _DEFAULTS.weight_group_size, int,
          choices=tuple(INT4_GROUP_SIZES)),
     Flag("weight-asymmetric", "int4 with a zero point per group", False, switch=True),
+    Flag("worker-threads", "CPU threads one engine computes on (default: every core this "
+         "process may run on; `serve` splits them evenly among --max-workers)", None, int),
     Flag("serving-config", 'JSON file: {"prefill": {"weights": "fp8", "kv_cache_dtype": '
          '"bf16"}, "decode": {"weights": "int4", "kv_cache_dtype": "fp8"}} (overrides the '
          "format flags)"),
@@ -112,4 +114,4 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                         tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
-                        **format_kwargs(args))
+                        num_threads=args.worker_threads, **format_kwargs(args))
