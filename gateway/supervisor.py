@@ -38,7 +38,7 @@ class PoolConfig:
     max_workers: int = 2
     max_inflight: int = 16  # per worker
     max_queue: int = 64  # requests waiting for a worker, per pool
-    kv_cache_bytes: int = 256 << 20
+    kv_cache_bytes: int | None = None  # None: each worker sizes its pool from free memory
     idle_ttl_s: float | None = None  # reap workers idle this long, down to min_workers
     recycle_after_requests: int | None = None
     recycle_after_s: float | None = None
@@ -281,9 +281,10 @@ class WorkerPool:
     def _command(self, worker: WorkerHandle) -> list[str]:
         cmd = [sys.executable, "-m", "gateway.worker", "--socket", worker.socket_path,
                "--worker-id", worker.id, "--served-model-name", self.config.model_id,
-               "--kv-cache-bytes", str(self.config.kv_cache_bytes),
                "--max-num-seqs", str(self.config.max_inflight),
                "--worker-threads", str(self.threads_per_worker)]
+        if self.config.kv_cache_bytes is not None:
+            cmd += ["--kv-cache-bytes", str(self.config.kv_cache_bytes)]
         if self.config.model_path is not None:
             cmd += ["--model", self.config.model_path]
         return cmd + list(self.config.worker_args)

@@ -112,7 +112,7 @@ class EngineConfig:
     """What the engine needs beyond the model: pool and batching sizes, dtypes."""
 
     page_size: int = 16
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None  # None: sized from free memory (runtime.memory)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -139,7 +139,7 @@ class EngineConfig:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise InvalidArgument(f"page_size must be a power of two, got {self.page_size}",
                                   field="page_size")
-        if self.kv_cache_bytes <= 0:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise InvalidArgument(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}",
                                   field="kv_cache_bytes")
         if self.max_model_len is not None and self.max_model_len <= 0:

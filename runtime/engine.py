@@ -21,6 +21,7 @@ from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
 from runtime.kv.prefix import PrefixCache
 from runtime.loader import Checkpoint, open_checkpoint
+from runtime.memory import auto_kv_cache_bytes
 from runtime.model_runner import ModelRunner
 from runtime.models import model_class
 from runtime.outputs import CompletionOutput, RequestOutput
@@ -76,11 +77,9 @@ class LLMEngine:
         self.prefill_model, self.decode_model = self._build_models()
         # NOTE: colocated, KV is written in the decode phase's format whoever writes it.
         spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.formats.kv)
-        num_pages = spec.pages_in(config.kv_cache_bytes)
-        if num_pages < 1:
-            raise InvalidArgument(f"kv_cache_bytes={config.kv_cache_bytes} holds no page of "
-                                  f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
-        self.kv_cache = KVCache(spec, num_pages, self.device)
+        self.kv_cache_budget_bytes = config.kv_cache_bytes or auto_kv_cache_bytes()
+        self.kv_cache = KVCache.within(spec, self.kv_cache_budget_bytes, self.device)
+        num_pages = self.kv_cache.num_pages
         self.pool = PagePool(num_pages, config.page_size)
         self.max_model_len = min(self.model_config.max_position_embeddings,
                                  num_pages * config.page_size,

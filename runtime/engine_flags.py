@@ -36,8 +36,9 @@ _DEFAULTS = EngineConfig()
 FLAGS: tuple[Flag, ...] = (
     Flag("model", "GGUF file or Hugging Face directory (default: the embedded SmolLM2)"),
     Flag("dtype", "compute dtype", "auto", choices=("auto", "float32", "bfloat16", "float16")),
-    Flag("kv-cache-bytes", "bytes of KV pages, scales included (capacity printed at start)",
-         _DEFAULTS.kv_cache_bytes, int),
+    Flag("kv-cache-bytes", "bytes of KV pages, scales included (capacity printed at start; "
+         "default: a quarter of the memory available once the weights are loaded, 64 MiB to "
+         "8 GiB)", _DEFAULTS.kv_cache_bytes, int),
     Flag("max-model-len", "longest prompt + output, in tokens (default: what the model and "
          "the KV pool allow)", None, int),
     Flag("max-num-seqs", "sequences running at once", _DEFAULTS.max_num_seqs, int),

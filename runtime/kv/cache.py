@@ -12,12 +12,15 @@ one unit (see kernels/fp8.py for why per token per head).
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from runtime.config import ModelConfig
+from runtime.errors import InvalidArgument
 from runtime.formats import KVFormat, canonical_name
 
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -82,13 +85,23 @@ class KVCache:
         self.spec = spec
         self.num_pages = num_pages
         shape = (spec.num_layers, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
-        self.v = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+        self.k = _zeros(shape, spec.storage_dtype, device)
+        self.v = _zeros(shape, spec.storage_dtype, device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if spec.is_fp8:
-            self.k_scale = torch.zeros(shape[:-1], dtype=torch.bfloat16, device=device)
-            self.v_scale = torch.zeros(shape[:-1], dtype=torch.bfloat16, device=device)
+            self.k_scale = _zeros(shape[:-1], torch.bfloat16, device)
+            self.v_scale = _zeros(shape[:-1], torch.bfloat16, device)
+
+    @classmethod
+    def within(cls, spec: KVCacheSpec, budget_bytes: int,
+               device: torch.device | str) -> KVCache:
+        """As many whole pages as `budget_bytes` holds; InvalidArgument when not one."""
+        num_pages = spec.pages_in(budget_bytes)
+        if num_pages < 1:
+            raise InvalidArgument(f"kv_cache_bytes={budget_bytes} holds no page of "
+                                  f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
+        return cls(spec, num_pages, device)
 
     @property
     def num_bytes(self) -> int:
@@ -99,3 +112,14 @@ class KVCache:
         if self.k_scale is None or self.v_scale is None:
             return LayerKV(self.k[index], self.v[index], None, None)
         return LayerKV(self.k[index], self.v[index], self.k_scale[index], self.v_scale[index])
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros; on CPU in an anonymous mapping, whose pages the OS commits only when first
+    written, so an idle engine's resident memory grows with the KV it uses, not its pool."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    # NOTE: the tensor keeps the mapping alive; it is unmapped when the tensor is freed.
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype,
+                            count=math.prod(shape)).view(shape)
