@@ -17,11 +17,11 @@ from runtime.errors import (
     TesseraError,
 )
 from runtime.integrity import TRACKERS, Violation
+from runtime.kv.budget import auto_kv_cache_bytes
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
 from runtime.kv.prefix import PrefixCache
 from runtime.loader import Checkpoint, open_checkpoint
-from runtime.memory import auto_kv_cache_bytes
 from runtime.model_runner import ModelRunner
 from runtime.models import model_class
 from runtime.outputs import CompletionOutput, RequestOutput

@@ -14,17 +14,17 @@ import torch
 from ops.planner.engine import memory_report
 from runtime.config import EngineConfig, ModelConfig
 from runtime.engine import LLMEngine
-from runtime.kv.cache import KVCache, KVCacheSpec
-from runtime.loader import open_checkpoint
-from runtime.loader.checkpoint import Checkpoint
-from runtime.memory import (
+from runtime.kv.budget import (
     KV_AUTO_FRACTION,
     KV_AUTO_MAX_BYTES,
     KV_AUTO_MIN_BYTES,
     auto_kv_cache_bytes,
     available_memory_bytes,
-    measure_memory,
 )
+from runtime.kv.cache import KVCache, KVCacheSpec
+from runtime.loader import open_checkpoint
+from runtime.loader.checkpoint import Checkpoint
+from runtime.memory import measure_memory
 
 GIB = 1 << 30
 
