@@ -17,7 +17,6 @@ from runtime.errors import (
     TesseraError,
 )
 from runtime.integrity import TRACKERS, Violation
-from runtime.kv.budget import auto_kv_cache_bytes
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
 from runtime.kv.prefix import PrefixCache
@@ -25,6 +24,7 @@ from runtime.loader import Checkpoint, open_checkpoint
 from runtime.model_runner import ModelRunner
 from runtime.models import model_class
 from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.progress import progress
 from runtime.request_state import RequestState
 from runtime.sampler import Sampler
 from runtime.sampling_params import SamplingParams
@@ -77,9 +77,8 @@ class LLMEngine:
         self.prefill_model, self.decode_model = self._build_models()
         # NOTE: colocated, KV is written in the decode phase's format whoever writes it.
         spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.formats.kv)
-        self.kv_cache_budget_bytes = config.kv_cache_bytes or auto_kv_cache_bytes()
-        self.kv_cache = KVCache.within(spec, self.kv_cache_budget_bytes, self.device)
-        num_pages = self.kv_cache.num_pages
+        self.kv_cache = KVCache.within(spec, config.kv_cache_bytes, self.device)
+        num_pages, self.kv_cache_budget_bytes = self.kv_cache.num_pages, self.kv_cache.budget_bytes
         self.pool = PagePool(num_pages, config.page_size)
         self.max_model_len = min(self.model_config.max_position_embeddings,
                                  num_pages * config.page_size,
@@ -113,7 +112,8 @@ class LLMEngine:
         with torch.device("meta"):
             model = model_class(self.model_config)(self.model_config)
         stored = self.checkpoint.quantization
-        model.load_weights(self.checkpoint.tensors(), self.dtype, quantization=stored)
+        tensors = progress(self.checkpoint.tensors(), "load weights", unit="tensors")
+        model.load_weights(tensors, self.dtype, quantization=stored)
         base = model.to(self.device).eval()
         if stored is not None:
             return base, base  # served as stored (ServingFormats refuses anything else)

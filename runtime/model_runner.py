@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kernels import decode_pads_to_longest
+from kernels.cpu_ops import build_pending, native
 from runtime.context import (
     AttentionMetadata,
     DecodeGroup,
@@ -19,6 +20,7 @@ from runtime.context import (
     forward_context,
 )
 from runtime.kv.cache import KVCache
+from runtime.progress import waiting
 from runtime.scheduler import ScheduledSequence, SchedulerOutput
 
 
@@ -30,6 +32,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.page_size = kv_cache.spec.page_size
         self.device = device
+        if device.type == "cpu" and build_pending():  # else loaded (or skipped) on first use
+            with waiting("build C++ CPU ops"):
+                native()
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSequence], torch.Tensor]:

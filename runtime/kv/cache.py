@@ -22,6 +22,7 @@ import torch
 from runtime.config import ModelConfig
 from runtime.errors import InvalidArgument
 from runtime.formats import KVFormat, canonical_name
+from runtime.kv.budget import auto_kv_cache_bytes
 
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.uint8}
@@ -84,6 +85,7 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device | str) -> None:
         self.spec = spec
         self.num_pages = num_pages
+        self.budget_bytes = spec.bytes_per_page * num_pages  # what sized it (see `within`)
         shape = (spec.num_layers, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
         self.k = _zeros(shape, spec.storage_dtype, device)
         self.v = _zeros(shape, spec.storage_dtype, device)
@@ -94,14 +96,18 @@ class KVCache:
             self.v_scale = _zeros(shape[:-1], torch.bfloat16, device)
 
     @classmethod
-    def within(cls, spec: KVCacheSpec, budget_bytes: int,
+    def within(cls, spec: KVCacheSpec, budget_bytes: int | None,
                device: torch.device | str) -> KVCache:
-        """As many whole pages as `budget_bytes` holds; InvalidArgument when not one."""
-        num_pages = spec.pages_in(budget_bytes)
+        """As many whole pages as `budget_bytes` holds (None: the budget free memory allows,
+        runtime.kv.budget); InvalidArgument when not one. `budget_bytes` is kept on it."""
+        budget = auto_kv_cache_bytes() if budget_bytes is None else budget_bytes
+        num_pages = spec.pages_in(budget)
         if num_pages < 1:
-            raise InvalidArgument(f"kv_cache_bytes={budget_bytes} holds no page of "
+            raise InvalidArgument(f"kv_cache_bytes={budget} holds no page of "
                                   f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
-        return cls(spec, num_pages, device)
+        cache = cls(spec, num_pages, device)
+        cache.budget_bytes = budget
+        return cache
 
     @property
     def num_bytes(self) -> int:

@@ -4,15 +4,10 @@ and an idle pool holds little resident memory (its pages are committed when firs
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
-import torch
 
 from ops.planner.engine import memory_report
-from runtime.config import EngineConfig, ModelConfig
+from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.kv.budget import (
     KV_AUTO_FRACTION,
@@ -22,9 +17,9 @@ from runtime.kv.budget import (
     available_memory_bytes,
 )
 from runtime.kv.cache import KVCache, KVCacheSpec
-from runtime.loader import open_checkpoint
 from runtime.loader.checkpoint import Checkpoint
 from runtime.memory import measure_memory
+from tests.helpers import tiny_random_checkpoint
 
 GIB = 1 << 30
 
@@ -36,39 +31,9 @@ def test_auto_budget_is_a_share_of_available_memory_within_bounds():
     assert 0 < available_memory_bytes()
 
 
-@dataclass
-class _RandomCheckpoint(Checkpoint):
-    """A 2-layer random Llama in memory, with the default model's tokenizer."""
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        c = self.config
-        g = torch.Generator().manual_seed(0)
-
-        def rand(*shape: int) -> torch.Tensor:
-            return 0.05 * torch.randn(*shape, generator=g)
-
-        yield "model.embed_tokens.weight", rand(c.vocab_size, c.hidden_size)
-        yield "model.norm.weight", 1 + rand(c.hidden_size)
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            yield p + "input_layernorm.weight", 1 + rand(c.hidden_size)
-            yield p + "post_attention_layernorm.weight", 1 + rand(c.hidden_size)
-            for name, rows, cols in (("q", c.q_size, c.hidden_size),
-                                     ("k", c.kv_size, c.hidden_size),
-                                     ("v", c.kv_size, c.hidden_size),
-                                     ("o", c.hidden_size, c.q_size)):
-                yield p + f"self_attn.{name}_proj.weight", rand(rows, cols)
-            for name in ("gate", "up"):
-                yield p + f"mlp.{name}_proj.weight", rand(c.intermediate_size, c.hidden_size)
-            yield p + "mlp.down_proj.weight", rand(c.hidden_size, c.intermediate_size)
-
-
 @pytest.fixture(scope="module")
 def tiny_checkpoint() -> Checkpoint:
-    config = ModelConfig("LlamaForCausalLM", 49152, 64, 96, 2, 4, 2, 16, 1e-5, 10000.0, 512,
-                         tie_word_embeddings=True, eos_token_ids=(2,))
-    tokenizer = open_checkpoint(None).tokenizer  # reads the GGUF's metadata, not its tensors
-    return _RandomCheckpoint(config, tokenizer, Path("tiny-random"), "tiny-random")
+    return tiny_random_checkpoint()
 
 
 def test_engine_without_a_budget_sizes_its_pool_from_free_memory(tiny_checkpoint):
