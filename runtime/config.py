@@ -130,7 +130,7 @@ class EngineConfig:
     decode_weights: str = "auto"
     weight_group_size: int = 128
     weight_symmetric: bool = True
-    num_threads: int | None = None  # CPU compute threads; None: every core we may run on
+    num_threads: int | None = None  # CPU compute threads; None: as the process has them
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:

@@ -13,6 +13,7 @@ from typing import Any
 
 from runtime.config import EngineConfig
 from runtime.formats import INT4_GROUP_SIZES
+from runtime.threads import resolve_num_threads
 
 _KV = ["auto", "fp32", "bf16", "fp16", "fp8"]
 _WEIGHTS = ["auto", "fp32", "bf16", "fp16", "fp8", "int4"]
@@ -115,4 +116,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                         tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
-                        num_threads=args.worker_threads, **format_kwargs(args))
+                        num_threads=resolve_num_threads(args.worker_threads),
+                        **format_kwargs(args))

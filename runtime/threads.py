@@ -48,12 +48,15 @@ def thread_env(num_threads: int) -> dict[str, str]:
 
 
 def apply_num_threads(num_threads: int | None) -> int:
-    """Set torch's intra-op pool to `num_threads` (None: every available core) and its
-    inter-op pool to one thread. Returns the intra-op thread count now in force."""
+    """Set torch's intra-op pool to `num_threads` and its inter-op pool to one thread; None
+    leaves both as the process has them (a library user's engine does not reset its host's
+    threads; the command line and the worker resolve None to every core first). Returns the
+    intra-op thread count now in force."""
     import torch
 
-    n = resolve_num_threads(num_threads)
-    torch.set_num_threads(n)
+    if num_threads is None:
+        return torch.get_num_threads()
+    torch.set_num_threads(resolve_num_threads(num_threads))
     if torch.get_num_interop_threads() != 1:
         try:
             torch.set_num_interop_threads(1)

@@ -22,7 +22,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_worker_threads_flag_reaches_the_engine_config():
-    assert engine_config(_parse([])).num_threads is None
+    assert engine_config(_parse([])).num_threads == available_cores()
     assert engine_config(_parse(["--worker-threads", "3"])).num_threads == 3
 
 
@@ -41,8 +41,9 @@ def test_fewer_than_one_thread_is_refused(bad):
 
 def test_applying_threads_sets_intra_op_and_one_inter_op_thread():
     code = ("from runtime.threads import apply_num_threads; import torch; "
-            "n = apply_num_threads(3); print(n, torch.get_num_threads(), "
+            "torch.set_num_threads(2); kept = apply_num_threads(None); "
+            "n = apply_num_threads(3); print(kept, n, torch.get_num_threads(), "
             "torch.get_num_interop_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, **thread_env(3)})
-    assert out.stdout.split() == ["3", "3", "1"]
+    assert out.stdout.split() == ["2", "3", "3", "1"]
