@@ -23,6 +23,7 @@ from runtime.kv.prefix import PrefixCache
 from runtime.loader import Checkpoint, open_checkpoint
 from runtime.model_runner import ModelRunner
 from runtime.models import model_class
+from runtime.models.layout import use_column_major_weights
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.progress import progress
 from runtime.request_state import RequestState
@@ -116,13 +117,14 @@ class LLMEngine:
         model.load_weights(tensors, self.dtype, quantization=stored)
         base = model.to(self.device).eval()
         if stored is not None:
-            return base, base  # served as stored (ServingFormats refuses anything else)
+            return _lay_out(base), base  # served as stored (ServingFormats refuses the rest)
         from runtime.quant.convert import convert_model  # returns `base` for its own dtype
 
         prefill = convert_model(base, self.formats.prefill.weights)
         if self.formats.shares_weights:
-            return prefill, prefill
-        return prefill, convert_model(base, self.formats.decode.weights)
+            return _lay_out(prefill), prefill
+        decode = convert_model(base, self.formats.decode.weights)
+        return _lay_out(prefill), _lay_out(decode)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -377,6 +379,13 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
                              finished, seq.num_cached_tokens, seq.error, delta,
                              list(new_tokens or []))
+
+
+def _lay_out(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its float projections stored as the CPU matmul reads them fastest (after
+    any conversion, which reads the weights as loaded)."""
+    use_column_major_weights(model)
+    return model
 
 
 def _state(seq: Sequence) -> RequestState:
