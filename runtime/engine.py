@@ -16,6 +16,7 @@ from runtime.errors import (
     TenantQuotaExceeded,
     TesseraError,
 )
+from runtime.heap import release_free_heap
 from runtime.integrity import TRACKERS, Violation
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
@@ -76,6 +77,7 @@ class LLMEngine:
             group_size=config.weight_group_size, symmetric=config.weight_symmetric,
             checkpoint_format=checkpoint.quantization)
         self.prefill_model, self.decode_model = self._build_models()
+        release_free_heap()  # the load's transient buffers, back to the OS before serving
         # NOTE: colocated, KV is written in the decode phase's format whoever writes it.
         spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.formats.kv)
         self.kv_cache = KVCache.within(spec, config.kv_cache_bytes, self.device)
