@@ -9,6 +9,7 @@ import torch
 
 from runtime.config import EngineConfig, ModelConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.distributed import TensorParallel, TensorParallelIntegrityTracker
 from runtime.errors import (
     ContextLengthExceeded,
     InvalidArgument,
@@ -18,6 +19,7 @@ from runtime.errors import (
 )
 from runtime.heap import release_free_heap
 from runtime.integrity import TRACKERS, Violation
+from runtime.kv.budget import auto_kv_cache_bytes
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
 from runtime.kv.prefix import PrefixCache
@@ -76,11 +78,22 @@ class LLMEngine:
             prefill_kv_cache_dtype=config.prefill_kv_cache_dtype,
             group_size=config.weight_group_size, symmetric=config.weight_symmetric,
             checkpoint_format=checkpoint.quantization)
+        self.tp = self._join_tensor_parallel()
         self.prefill_model, self.decode_model = self._build_models()
         release_free_heap()  # the load's transient buffers, back to the OS before serving
         # NOTE: colocated, KV is written in the decode phase's format whoever writes it.
         spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.formats.kv)
-        self.kv_cache = KVCache.within(spec, config.kv_cache_bytes, self.device)
+        if self.tp is None:
+            self.kv_cache = KVCache.within(spec, config.kv_cache_bytes, self.device)
+        else:  # this rank's heads; the same page count on every rank
+            budget = (auto_kv_cache_bytes() if config.kv_cache_bytes is None
+                      else config.kv_cache_bytes)
+            spec, tp_pages = self.tp.shard_kv_spec(spec, budget)
+            if tp_pages < 1:
+                raise InvalidArgument(f"kv_cache_bytes={budget} holds no page of "
+                                      f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
+            self.kv_cache = KVCache(spec, tp_pages, self.device)
+            self.kv_cache.budget_bytes = budget
         num_pages, self.kv_cache_budget_bytes = self.kv_cache.num_pages, self.kv_cache.budget_bytes
         self.pool = PagePool(num_pages, config.page_size)
         self.max_model_len = min(self.model_config.max_position_embeddings,
@@ -93,8 +106,10 @@ class LLMEngine:
             self.prefix_cache)
         self.runner = ModelRunner(self.prefill_model, self.decode_model, self.kv_cache,
                                   self.device)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
         self.tracker = TRACKERS[config.integrity](self.pool)
+        if self.tp is not None:
+            self.tracker = TensorParallelIntegrityTracker(self.tracker, self.tp)
         self.requests: dict[str, Sequence] = {}
         # namespace -> (prefix token ids, tenants allowed to share it)
         self.shared_prefixes: dict[str, tuple[list[int], frozenset[str]]] = {}
@@ -117,6 +132,10 @@ class LLMEngine:
         stored = self.checkpoint.quantization
         tensors = progress(self.checkpoint.tensors(), "load weights", unit="tensors")
         model.load_weights(tensors, self.dtype, quantization=stored)
+        if self.tp is not None:
+            from runtime.models.tensor_parallel import shard_model
+
+            shard_model(model, self.tp)
         base = model.to(self.device).eval()
         if stored is not None:
             return _lay_out(base), base  # served as stored (ServingFormats refuses the rest)
@@ -127,6 +146,20 @@ class LLMEngine:
             return _lay_out(prefill), prefill
         decode = convert_model(base, self.formats.decode.weights)
         return _lay_out(prefill), _lay_out(decode)
+
+    def _join_tensor_parallel(self) -> TensorParallel | None:
+        """This rank's place in the launcher's process group, or None for one process."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return None
+        stored = self.checkpoint.quantization
+        quantized = [p.weights.label for p in (self.formats.prefill, self.formats.decode)
+                     if p.weights.name in ("fp8", "int4")]
+        if stored is not None or quantized:
+            raise InvalidArgument("tensor parallelism serves float weights only for now, not "
+                                  f"{stored.label if stored is not None else quantized[0]}",
+                                  field="tensor_parallel_size")
+        return TensorParallel.join(size)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -187,6 +220,9 @@ class LLMEngine:
         (`tokenize_prompt`, off the engine thread) may bring their text as `prompt_text`."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be a SamplingParams", field="params")
+        if params.n != 1:  # one sequence per request: runtime.candidates fans n out
+            raise InvalidArgument("add_request takes n = 1; fan candidates out with "
+                                  "runtime.candidates", field="n")
         if request_id in self.requests:
             raise InvalidArgument(f"request id {request_id!r} is already in flight",
                                   field="request_id")
@@ -204,7 +240,8 @@ class LLMEngine:
         seq.shared_namespace, seq.shared_pages = self._shared_prefix_for(tenant, ids)
         seq.state = RequestState(
             IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                   params.include_stop_str_in_output, params.skip_special_tokens),
+                                   params.include_stop_str_in_output, params.skip_special_tokens,
+                                   params.min_tokens),
             None if params.seed is None else torch.Generator().manual_seed(params.seed))
         self.requests[request_id] = seq
         self.scheduler.add(seq)

@@ -8,6 +8,12 @@ FP8 (e4m3) pages hold the raw bytes as uint8 (index_copy_ and index_select work 
 every device) plus one bf16 scale per (token, KV head) in a parallel [kv_heads, pages,
 page_size] tensor: the scale lives beside its page, so a page is moved, verified or freed as
 one unit (see kernels/fp8.py for why per token per head).
+
+MLA models (DeepSeek-V3) cache one latent vector per token and layer (kv_lora_rank normalised
+latent, then the roped qk_rope_head_dim key part) instead of K and V per head: the same layout
+with one "head" and no V tensor, [1, num_pages, page_size, latent_dim], the layout FlashMLA-style
+GPU kernels read (values are the latent's first kv_lora_rank elements). FP8 pages, scales (one
+per token), tags and the prefix cache apply to it unchanged.
 """
 
 from __future__ import annotations
@@ -36,12 +42,15 @@ class KVCacheSpec:
     head_dim: int
     page_size: int
     format: KVFormat
+    latent: bool = False  # MLA: one latent vector per token (num_kv_heads 1), no V
 
     @classmethod
     def for_model(cls, config: ModelConfig, page_size: int,
                   fmt: KVFormat | torch.dtype | str) -> KVCacheSpec:
         if not isinstance(fmt, KVFormat):
             fmt = KVFormat.parse(canonical_name(str(fmt)))
+        if config.kv_latent_dim is not None:
+            return cls(config.num_hidden_layers, 1, config.kv_latent_dim, page_size, fmt, True)
         return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                    page_size, fmt)
 
@@ -60,7 +69,9 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in every layer, scales included."""
+        """K and V (or the MLA latent) of one token in every layer, scales included."""
+        if self.latent:
+            return self.num_layers * self.format.latent_bytes_per_token_layer(self.head_dim)
         per_layer = self.format.gqa_bytes_per_token_layer(self.num_kv_heads, self.head_dim)
         return self.num_layers * per_layer
 
@@ -75,8 +86,8 @@ class KVCacheSpec:
 class LayerKV(NamedTuple):
     """One layer's view of the cache. Scales are None unless the pages are fp8."""
 
-    k: torch.Tensor  # [kv_heads, pages, page_size, head_dim]
-    v: torch.Tensor
+    k: torch.Tensor  # [kv_heads, pages, page_size, head_dim]; MLA: [1, pages, page_size, latent]
+    v: torch.Tensor | None  # None for MLA latent pages
     k_scale: torch.Tensor | None  # [kv_heads, pages, page_size] bf16
     v_scale: torch.Tensor | None
 
@@ -88,12 +99,15 @@ class KVCache:
         self.budget_bytes = spec.bytes_per_page * num_pages  # what sized it (see `within`)
         shape = (spec.num_layers, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
         self.k = _zeros(shape, spec.storage_dtype, device)
-        self.v = _zeros(shape, spec.storage_dtype, device)
+        self.v: torch.Tensor | None = None
+        if not spec.latent:
+            self.v = _zeros(shape, spec.storage_dtype, device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if spec.is_fp8:
             self.k_scale = _zeros(shape[:-1], torch.bfloat16, device)
-            self.v_scale = _zeros(shape[:-1], torch.bfloat16, device)
+            if not spec.latent:
+                self.v_scale = _zeros(shape[:-1], torch.bfloat16, device)
 
     @classmethod
     def within(cls, spec: KVCacheSpec, budget_bytes: int | None,
@@ -115,9 +129,10 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def layer(self, index: int) -> LayerKV:
-        if self.k_scale is None or self.v_scale is None:
-            return LayerKV(self.k[index], self.v[index], None, None)
-        return LayerKV(self.k[index], self.v[index], self.k_scale[index], self.v_scale[index])
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return LayerKV(self.k[index], pick(self.v), pick(self.k_scale), pick(self.v_scale))
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
