@@ -89,7 +89,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def worker_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The engine flags the user set, for every worker (the pool passes model and sizes)."""
-    return tuple(engine_argv(args, exclude=("model", "kv-cache-bytes", "max-num-seqs")))
+    return tuple(engine_argv(args, exclude=("model", "kv-cache-bytes", "max-num-seqs",
+                                            "worker-threads")))
 
 
 def pool_configs(base: PoolConfig, args: argparse.Namespace) -> list[PoolConfig]:
@@ -117,17 +118,21 @@ def serve_rest(runner: GatewayRunner, host: str = "127.0.0.1", port: int = 8000,
     return runner.call(server.start())
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    configure()
-    keys, dev_key = ApiKeys.load(args.api_keys)
-    pool = PoolConfig(args.model_id, args.model, min_workers=args.min_workers,
+def pool_config(args: argparse.Namespace) -> PoolConfig:
+    """The one pool `serve` runs, from its flags."""
+    return PoolConfig(args.model_id, args.model, min_workers=args.min_workers,
                       max_workers=args.max_workers, max_inflight=args.max_inflight,
                       max_queue=args.max_queue, kv_cache_bytes=args.kv_cache_bytes,
                       idle_ttl_s=args.idle_ttl_s,
                       recycle_after_requests=args.recycle_after_requests,
                       recycle_after_s=args.recycle_after_s, stuck_after_s=args.stuck_after_s,
-                      worker_args=worker_args(args))
-    pools = pool_configs(pool, args)
+                      worker_args=worker_args(args), worker_threads=args.worker_threads)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    configure()
+    keys, dev_key = ApiKeys.load(args.api_keys)
+    pools = pool_configs(pool_config(args), args)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 

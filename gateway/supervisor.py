@@ -23,6 +23,7 @@ from gateway.logs import get_logger
 from gateway.router import Router
 from gateway.worker_handle import WorkerHandle
 from runtime.errors import InvalidArgument
+from runtime.threads import share_of_cores, thread_env
 
 log = get_logger("tessera.supervisor")
 # The checkout holding runtime/ and gateway/: workers import from it whatever their cwd.
@@ -37,7 +38,7 @@ class PoolConfig:
     max_workers: int = 2
     max_inflight: int = 16  # per worker
     max_queue: int = 64  # requests waiting for a worker, per pool
-    kv_cache_bytes: int = 256 << 20
+    kv_cache_bytes: int | None = None  # None: each worker sizes its pool from free memory
     idle_ttl_s: float | None = None  # reap workers idle this long, down to min_workers
     recycle_after_requests: int | None = None
     recycle_after_s: float | None = None
@@ -49,7 +50,9 @@ class PoolConfig:
     restart_backoff_s: float = 0.5
     max_restart_backoff_s: float = 30.0
     worker_args: tuple[str, ...] = ()
-    worker_env: tuple[tuple[str, str], ...] = (("TESSERA_NUM_THREADS", "1"),)
+    worker_env: tuple[tuple[str, str], ...] = ()
+    # CPU threads per worker; None: this host's cores split evenly among max_workers
+    worker_threads: int | None = None
     # "both": colocated workers; "prefill" / "decode": one pool of disaggregated serving, its
     # formats in worker_args (gateway/transfer.py). A decode pool bounds each KV transfer.
     role: str = "both"
@@ -70,6 +73,8 @@ class PoolConfig:
         if self.stuck_after_s <= 0 or self.max_missed_health < 1:
             raise InvalidArgument("stuck_after_s must be > 0 and max_missed_health >= 1",
                                   field="stuck_after_s")
+        if self.worker_threads is not None and self.worker_threads < 1:
+            raise InvalidArgument("worker_threads must be >= 1", field="worker_threads")
         if self.max_inflight < 1 or self.max_queue < 0:
             raise InvalidArgument("max_inflight must be >= 1 and max_queue >= 0",
                                   field="max_inflight")
@@ -281,11 +286,17 @@ class WorkerPool:
         self._background(self._run(worker))
         return worker
 
+    @property
+    def threads_per_worker(self) -> int:
+        return self.config.worker_threads or share_of_cores(self.config.max_workers)
+
     def _command(self, worker: WorkerHandle) -> list[str]:
         cmd = [sys.executable, "-m", "gateway.worker", "--socket", worker.socket_path,
                "--worker-id", worker.id, "--served-model-name", self.config.model_id,
-               "--kv-cache-bytes", str(self.config.kv_cache_bytes),
-               "--max-num-seqs", str(self.config.max_inflight)]
+               "--max-num-seqs", str(self.config.max_inflight),
+               "--worker-threads", str(self.threads_per_worker)]
+        if self.config.kv_cache_bytes is not None:
+            cmd += ["--kv-cache-bytes", str(self.config.kv_cache_bytes)]
         if self.config.model_path is not None:
             cmd += ["--model", self.config.model_path]
         if self.config.role != "both":
@@ -294,7 +305,8 @@ class WorkerPool:
 
     async def _run(self, worker: WorkerHandle) -> None:
         """Start one worker, wait for health, then watch it until it exits."""
-        env = {**os.environ, **dict(self.config.worker_env)}
+        env = {**os.environ, **thread_env(self.threads_per_worker),
+               **dict(self.config.worker_env)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
         try:
             await worker.launch(self._command(worker), env, self.config.start_timeout_s)

@@ -188,7 +188,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             integrity_mismatches=snap.integrity_mismatches, native_ops=self.native_ops,
             role=self.transfer.role,
             exported=transfer_stats(self.transfer.exported, self.transfer.pending_exports),
-            imported=transfer_stats(self.transfer.imported, self.transfer.pending_imports))
+            imported=transfer_stats(self.transfer.imported, self.transfer.pending_imports),
+            num_threads=self.engine.num_threads)
 
 
 def _served(engine, model: str | None, worker_id: str,

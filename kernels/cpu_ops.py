@@ -86,6 +86,17 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
+def build_pending() -> bool:
+    """Whether the first `native()` call will compile (no build of these sources for this CPU
+    yet): a minute or so on 2 cores, worth showing progress for."""
+    if os.environ.get("TESSERA_NATIVE") == "0" or native.cache_info().currsize:
+        return False
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = f"tessera_cpu_ops_{build_tag()}"
+    return not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+
+
 def native_status() -> str:
     """`loaded`, `off` (TESSERA_NATIVE=0) or `unavailable` (no toolchain: torch twins run)."""
     if os.environ.get("TESSERA_NATIVE") == "0":

@@ -20,6 +20,7 @@ from runtime.formats import INT4_GROUP_SIZES, WeightFormat
 from runtime.loader import Checkpoint, open_checkpoint
 from runtime.loader.quantized import quantization_config
 from runtime.models.llama import map_checkpoint_name
+from runtime.progress import progress
 from runtime.quant.convert import (
     check_architecture,
     is_quantized_checkpoint_weight,
@@ -69,7 +70,7 @@ def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightForma
         raise InvalidArgument(f"destination {out} exists and is not empty", field="dst")
     tensors: dict[str, torch.Tensor] = {}
     not_quantized = {"lm_head"}
-    for name, tensor in ckpt.tensors():
+    for name, tensor in progress(ckpt.tensors(), f"convert to {fmt.label}", unit="tensors"):
         if "rotary_emb.inv_freq" in name:
             continue
         if is_quantized_checkpoint_weight(name):

@@ -122,7 +122,7 @@ class EngineConfig:
     """What the engine needs beyond the model: pool and batching sizes, dtypes."""
 
     page_size: int = 16
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None  # None: sized from free memory (runtime.memory)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -143,17 +143,21 @@ class EngineConfig:
     # GGUF files: serve Q4_0/Q4_1/Q8_0 tensors as stored ("stored"), dequantize them to the
     # compute dtype at load ("dequantize"), or "auto": stored where the C++ kernels run (CPU).
     gguf_weights: str = "auto"
+    num_threads: int | None = None  # CPU compute threads; None: as the process has them
     # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise InvalidArgument(f"num_threads must be at least 1, got {self.num_threads}",
+                                  field="num_threads")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise InvalidArgument(f"tensor_parallel_size must be a positive integer, got "
                                   f"{self.tensor_parallel_size!r}", field="tensor_parallel_size")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise InvalidArgument(f"page_size must be a power of two, got {self.page_size}",
                                   field="page_size")
-        if self.kv_cache_bytes <= 0:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise InvalidArgument(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}",
                                   field="kv_cache_bytes")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -19,20 +18,25 @@ from runtime.errors import (
     TesseraError,
 )
 from runtime.grammar import GrammarCompiler
+from runtime.heap import release_free_heap
 from runtime.integrity import TRACKERS, Violation
+from runtime.kv.budget import auto_kv_cache_bytes
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
 from runtime.kv.prefix import PrefixCache
 from runtime.loader import Checkpoint, open_checkpoint
 from runtime.model_runner import ModelRunner
 from runtime.models import model_class
+from runtime.models.layout import use_column_major_weights
 from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.progress import progress
 from runtime.request_state import RequestState
 from runtime.sampler import Sampler
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
 from runtime.serving_formats import ServingFormats
+from runtime.threads import apply_num_threads
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("tessera.engine")
@@ -67,8 +71,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu" and os.environ.get("TESSERA_NUM_THREADS"):
-            torch.set_num_threads(int(os.environ["TESSERA_NUM_THREADS"]))
+        self.num_threads = (apply_num_threads(config.num_threads) if self.device.type == "cpu"
+                            else torch.get_num_threads())
         self.formats = ServingFormats.resolve(
             str(self.dtype).removeprefix("torch."), prefill_weights=config.prefill_weights,
             decode_weights=config.decode_weights, kv_cache_dtype=config.kv_cache_dtype,
@@ -77,15 +81,21 @@ class LLMEngine:
             checkpoint_format=checkpoint.quantization)
         self.tp = self._join_tensor_parallel()
         self.prefill_model, self.decode_model = self._build_models()
+        release_free_heap()  # the load's transient buffers, back to the OS before serving
         # NOTE: colocated, KV is written in the decode phase's format whoever writes it.
         spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.formats.kv)
-        num_pages = spec.pages_in(config.kv_cache_bytes)
-        if self.tp is not None:  # this rank's heads; the same page count on every rank
-            spec, num_pages = self.tp.shard_kv_spec(spec, config.kv_cache_bytes)
-        if num_pages < 1:
-            raise InvalidArgument(f"kv_cache_bytes={config.kv_cache_bytes} holds no page of "
-                                  f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
-        self.kv_cache = KVCache(spec, num_pages, self.device)
+        if self.tp is None:
+            self.kv_cache = KVCache.within(spec, config.kv_cache_bytes, self.device)
+        else:  # this rank's heads; the same page count on every rank
+            budget = (auto_kv_cache_bytes() if config.kv_cache_bytes is None
+                      else config.kv_cache_bytes)
+            spec, tp_pages = self.tp.shard_kv_spec(spec, budget)
+            if tp_pages < 1:
+                raise InvalidArgument(f"kv_cache_bytes={budget} holds no page of "
+                                      f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
+            self.kv_cache = KVCache(spec, tp_pages, self.device)
+            self.kv_cache.budget_bytes = budget
+        num_pages, self.kv_cache_budget_bytes = self.kv_cache.num_pages, self.kv_cache.budget_bytes
         self.pool = PagePool(num_pages, config.page_size)
         self.max_model_len = min(self.model_config.max_position_embeddings,
                                  num_pages * config.page_size,
@@ -131,20 +141,22 @@ class LLMEngine:
             base = model.to(self.device).eval()
             return base, base
         stored = self.checkpoint.quantization
-        model.load_weights(self.checkpoint.tensors(), self.dtype, quantization=stored)
+        tensors = progress(self.checkpoint.tensors(), "load weights", unit="tensors")
+        model.load_weights(tensors, self.dtype, quantization=stored)
         if self.tp is not None:
             from runtime.models.tensor_parallel import shard_model
 
             shard_model(model, self.tp)
         base = model.to(self.device).eval()
         if stored is not None:
-            return base, base  # served as stored (ServingFormats refuses anything else)
+            return _lay_out(base), base  # served as stored (ServingFormats refuses the rest)
         from runtime.quant.convert import convert_model  # returns `base` for its own dtype
 
         prefill = convert_model(base, self.formats.prefill.weights)
         if self.formats.shares_weights:
-            return prefill, prefill
-        return prefill, convert_model(base, self.formats.decode.weights)
+            return _lay_out(prefill), prefill
+        decode = convert_model(base, self.formats.decode.weights)
+        return _lay_out(prefill), _lay_out(decode)
 
     def _join_tensor_parallel(self) -> TensorParallel | None:
         """This rank's place in the launcher's process group, or None for one process."""
@@ -429,6 +441,13 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
                              finished, seq.num_cached_tokens, seq.error, delta,
                              list(new_tokens or []))
+
+
+def _lay_out(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its float projections stored as the CPU matmul reads them fastest (after
+    any conversion, which reads the weights as loaded)."""
+    use_column_major_weights(model)
+    return model
 
 
 def _state(seq: Sequence) -> RequestState:

@@ -13,6 +13,7 @@ from typing import Any
 
 from runtime.config import EngineConfig
 from runtime.formats import INT4_GROUP_SIZES
+from runtime.threads import resolve_num_threads
 
 _KV = ["auto", "fp32", "bf16", "fp16", "fp8"]
 _WEIGHTS = ["auto", "fp32", "bf16", "fp16", "fp8", "int4"]
@@ -36,8 +37,9 @@ _DEFAULTS = EngineConfig()
 FLAGS: tuple[Flag, ...] = (
     Flag("model", "GGUF file or Hugging Face directory (default: the embedded SmolLM2)"),
     Flag("dtype", "compute dtype", "auto", choices=("auto", "float32", "bfloat16", "float16")),
-    Flag("kv-cache-bytes", "bytes of KV pages, scales included (capacity printed at start)",
-         _DEFAULTS.kv_cache_bytes, int),
+    Flag("kv-cache-bytes", "bytes of KV pages, scales included (capacity printed at start; "
+         "default: a quarter of the memory available once the weights are loaded, 64 MiB to "
+         "8 GiB)", _DEFAULTS.kv_cache_bytes, int),
     Flag("max-model-len", "longest prompt + output, in tokens (default: what the model and "
          "the KV pool allow)", None, int),
     Flag("max-num-seqs", "sequences running at once", _DEFAULTS.max_num_seqs, int),
@@ -61,6 +63,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("gguf-weights", "GGUF files: serve Q4_0/Q4_1/Q8_0 blocks as stored, or dequantize "
          "them at load ('auto' = stored where the C++ CPU kernels run)", _DEFAULTS.gguf_weights,
          choices=("auto", "stored", "dequantize")),
+    Flag("worker-threads", "CPU threads one engine computes on (default: every core this "
+         "process may run on; `serve` splits them evenly among --max-workers)", None, int),
     Flag("serving-config", 'JSON file: {"prefill": {"weights": "fp8", "kv_cache_dtype": '
          '"bf16"}, "decode": {"weights": "int4", "kv_cache_dtype": "fp8"}} (overrides the '
          "format flags)"),
@@ -116,4 +120,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                         tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
                         gguf_weights=getattr(args, "gguf_weights", "auto"),
+                        num_threads=resolve_num_threads(args.worker_threads),
                         **format_kwargs(args))

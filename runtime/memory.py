@@ -48,7 +48,7 @@ def measure_memory(engine: LLMEngine) -> MemoryFootprint:
     return MemoryFootprint(
         model=engine.model_config, dtype=canonical_name(str(engine.dtype)),
         formats=engine.formats, page_size=engine.config.page_size,
-        kv_cache_budget_bytes=engine.config.kv_cache_bytes,
+        kv_cache_budget_bytes=engine.kv_cache_budget_bytes,
         weight_bytes=resident_bytes(engine.prefill_model, engine.decode_model),
         separate_decode_weights=engine.decode_model is not engine.prefill_model,
         kv_bytes_per_token=cache.spec.bytes_per_token,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kernels import decode_pads_to_longest
+from kernels.cpu_ops import build_pending, native
 from runtime.context import (
     AttentionMetadata,
     DecodeGroup,
@@ -19,6 +20,7 @@ from runtime.context import (
     forward_context,
 )
 from runtime.kv.cache import KVCache
+from runtime.progress import waiting
 from runtime.scheduler import ScheduledSequence, SchedulerOutput
 
 
@@ -30,6 +32,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.page_size = kv_cache.spec.page_size
         self.device = device
+        if device.type == "cpu" and build_pending():  # else loaded (or skipped) on first use
+            with waiting("build C++ CPU ops"):
+                native()
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSequence], torch.Tensor]:
@@ -102,14 +107,16 @@ class ModelRunner:
         return groups
 
     def _decode_tables(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        # One tensor built from one flat list each (not one small tensor per sequence).
         max_pages = max(len(s.seq.page_table) for s in decodes)
-        table = torch.zeros((len(decodes), max_pages), dtype=torch.long)
-        lens = torch.empty(len(decodes), dtype=torch.long)
-        for i, item in enumerate(decodes):
-            ids = [ref.page_id for ref in item.seq.page_table]
-            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            lens[i] = item.seq.num_computed_tokens + 1
-        return table.to(self.device), lens.to(self.device)
+        flat: list[int] = []
+        for item in decodes:
+            table = item.seq.page_table
+            flat.extend(ref.page_id for ref in table)
+            flat.extend([0] * (max_pages - len(table)))
+        lens = [item.seq.num_computed_tokens + 1 for item in decodes]
+        return (torch.tensor(flat, dtype=torch.long, device=self.device).view(-1, max_pages),
+                torch.tensor(lens, dtype=torch.long, device=self.device))
 
     def _prefill_slice(self, item: ScheduledSequence, offset: int) -> PrefillSlice:
         seq = item.seq

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from runtime.config import ModelConfig
+from runtime.loader.checkpoint import Checkpoint
 from runtime.scheduler import Scheduler, SchedulerOutput
 from runtime.sequence import Sequence
 
@@ -40,3 +45,40 @@ def engine_step(sched: Scheduler, stop: set[Sequence] | None = None) -> Schedule
         if len(seq.output_token_ids) >= seq.max_tokens or (stop and seq in stop):
             sched.finish(seq)
     return out
+
+
+@dataclass
+class RandomCheckpoint(Checkpoint):
+    """A random Llama in memory (HF tensor names), with the default model's tokenizer."""
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        c = self.config
+        g = torch.Generator().manual_seed(0)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return 0.05 * torch.randn(*shape, generator=g)
+
+        yield "model.embed_tokens.weight", rand(c.vocab_size, c.hidden_size)
+        yield "model.norm.weight", 1 + rand(c.hidden_size)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            yield p + "input_layernorm.weight", 1 + rand(c.hidden_size)
+            yield p + "post_attention_layernorm.weight", 1 + rand(c.hidden_size)
+            for name, rows, cols in (("q", c.q_size, c.hidden_size),
+                                     ("k", c.kv_size, c.hidden_size),
+                                     ("v", c.kv_size, c.hidden_size),
+                                     ("o", c.hidden_size, c.q_size)):
+                yield p + f"self_attn.{name}_proj.weight", rand(rows, cols)
+            for name in ("gate", "up"):
+                yield p + f"mlp.{name}_proj.weight", rand(c.intermediate_size, c.hidden_size)
+            yield p + "mlp.down_proj.weight", rand(c.hidden_size, c.intermediate_size)
+
+
+def tiny_random_checkpoint(num_layers: int = 2) -> Checkpoint:
+    """A tiny random Llama (hidden 64, GQA 4/2 heads of 16, SmolLM2's vocabulary)."""
+    from runtime.loader import open_checkpoint
+
+    config = ModelConfig("LlamaForCausalLM", 49152, 64, 96, num_layers, 4, 2, 16, 1e-5, 10000.0,
+                         512, tie_word_embeddings=True, eos_token_ids=(2,))
+    tokenizer = open_checkpoint(None).tokenizer  # reads the GGUF's metadata, not its tensors
+    return RandomCheckpoint(config, tokenizer, Path("tiny-random"), "tiny-random")

@@ -28,8 +28,8 @@ KEY = "bench-key"
 def one_start(extensions_dir: str) -> dict[str, float]:
     config = PoolConfig("bench", min_workers=1, max_workers=1, kv_cache_bytes=64 << 20,
                         start_timeout_s=900,
-                        worker_env=(("TESSERA_NUM_THREADS", "1"),
-                                    ("TORCH_EXTENSIONS_DIR", extensions_dir)))
+                        worker_threads=1,
+                        worker_env=(("TORCH_EXTENSIONS_DIR", extensions_dir),))
     started = time.monotonic()
     runner = GatewayRunner([config], ApiKeys.parse(f"{KEY}=bench")).start(wait_ready=False)
     try:

@@ -18,13 +18,17 @@ per token), tags and the prefix cache apply to it unchanged.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from runtime.config import ModelConfig
+from runtime.errors import InvalidArgument
 from runtime.formats import KVFormat, canonical_name
+from runtime.kv.budget import auto_kv_cache_bytes
 
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.uint8}
@@ -92,17 +96,32 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device | str) -> None:
         self.spec = spec
         self.num_pages = num_pages
+        self.budget_bytes = spec.bytes_per_page * num_pages  # what sized it (see `within`)
         shape = (spec.num_layers, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+        self.k = _zeros(shape, spec.storage_dtype, device)
         self.v: torch.Tensor | None = None
         if not spec.latent:
-            self.v = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+            self.v = _zeros(shape, spec.storage_dtype, device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if spec.is_fp8:
-            self.k_scale = torch.zeros(shape[:-1], dtype=torch.bfloat16, device=device)
+            self.k_scale = _zeros(shape[:-1], torch.bfloat16, device)
             if not spec.latent:
-                self.v_scale = torch.zeros(shape[:-1], dtype=torch.bfloat16, device=device)
+                self.v_scale = _zeros(shape[:-1], torch.bfloat16, device)
+
+    @classmethod
+    def within(cls, spec: KVCacheSpec, budget_bytes: int | None,
+               device: torch.device | str) -> KVCache:
+        """As many whole pages as `budget_bytes` holds (None: the budget free memory allows,
+        runtime.kv.budget); InvalidArgument when not one. `budget_bytes` is kept on it."""
+        budget = auto_kv_cache_bytes() if budget_bytes is None else budget_bytes
+        num_pages = spec.pages_in(budget)
+        if num_pages < 1:
+            raise InvalidArgument(f"kv_cache_bytes={budget} holds no page of "
+                                  f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
+        cache = cls(spec, num_pages, device)
+        cache.budget_bytes = budget
+        return cache
 
     @property
     def num_bytes(self) -> int:
@@ -114,3 +133,14 @@ class KVCache:
             return None if t is None else t[index]
 
         return LayerKV(self.k[index], pick(self.v), pick(self.k_scale), pick(self.v_scale))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros; on CPU in an anonymous mapping, whose pages the OS commits only when first
+    written, so an idle engine's resident memory grows with the KV it uses, not its pool."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    # NOTE: the tensor keeps the mapping alive; it is unmapped when the tensor is freed.
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype,
+                            count=math.prod(shape)).view(shape)

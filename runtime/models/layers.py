@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import paged_decode_attention, paged_prefill_attention, store_kv
@@ -20,8 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.eps) * self.weight
+        # NOTE: torch's own kernel: one op instead of six, bit-equal in float32 on CPU.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -67,17 +68,26 @@ class RotaryEmbedding(nn.Module):
             self._cos, self._sin = freqs.cos(), freqs.sin()
         return self._cos, self._sin
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        # x: [tokens, heads, head_dim]; positions: [tokens]
-        if self._step is None or self._step[0] is not positions:
+    def _cos_sin(self, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions`, [tokens, 1, head_dim / 2] in `dtype`, looked up once per
+        step (every layer rotates at the same positions)."""
+        step = self._step
+        if step is None or step[0] is not positions or step[1].dtype != dtype:
             cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
-            self._step = (positions, cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1))
-        _, cos, sin = self._step
+            step = (positions, cos_t[positions].unsqueeze(1).to(dtype),
+                    sin_t[positions].unsqueeze(1).to(dtype))
+            self._step = step
+        return step[1], step[2]
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        # x: [tokens, heads, head_dim]; positions: [tokens]. Out of place: an in-place rotation
+        # of strided halves ran 4-6x slower at 32+ tokens.
         out = []
         for x in xs:
+            cos, sin = self._cos_sin(positions, x.dtype)
             x1, x2 = x[..., : self.half], x[..., self.half :]
-            c, s = cos.to(x.dtype), sin.to(x.dtype)
-            out.append(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
         return out
 
 

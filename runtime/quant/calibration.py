@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from runtime.errors import InvalidArgument
+from runtime.progress import progress
 
 _MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses",
             "datetime", "decimal", "email.message", "functools", "http.client", "itertools",
@@ -67,7 +68,7 @@ def collect_hessians(engine: Any, windows: list[list[int]]) -> dict[str, torch.T
     for name, module in linear_layers(engine.prefill_model):
         handles.append(module.register_forward_pre_hook(hook_for(name)))
     try:
-        for ids in windows:
+        for ids in progress(windows, "calibrate (gptq)", unit="windows"):
             engine.prompt_logits(ids, "calibration")
     finally:
         for h in handles:

@@ -14,6 +14,7 @@ from torch import nn
 from runtime.errors import InvalidArgument
 from runtime.formats import TensorBytes, WeightFormat
 from runtime.models.layers import RotaryEmbedding
+from runtime.progress import progress
 from runtime.quant.linear import Fp8Linear, Int4Linear, quantize_int4_packed
 
 CONVERTIBLE_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -102,7 +103,7 @@ def convert_model(model: nn.Module, fmt: WeightFormat, partial_groups: bool = Tr
                                   f"unquantized model", tensor=f"{name}.weight")
         check_group_fits(f"{name}.weight", module.in_features, fmt, partial_groups)
     clone = _clone_sharing_tensors(model, skip=layers.values())
-    for name, module in layers.items():
+    for name, module in progress(layers.items(), f"quantize to {fmt.label}", unit="layers"):
         parent_name, _, child = name.rpartition(".")
         bias = None if module.bias is None else module.bias
         setattr(clone.get_submodule(parent_name), child,

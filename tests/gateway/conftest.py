@@ -29,7 +29,7 @@ def api_keys() -> ApiKeys:
 
 def pool_config(**overrides: object) -> PoolConfig:
     base: dict[str, object] = dict(model_id=MODEL, kv_cache_bytes=KV_BYTES,
-                                   worker_args=WORKER_ARGS, max_inflight=8)
+                                   worker_args=WORKER_ARGS, max_inflight=8, worker_threads=1)
     base.update(overrides)
     return PoolConfig(**base)  # type: ignore[arg-type]
 

@@ -22,8 +22,8 @@ def test_first_answer_on_an_empty_extension_cache(tmp_path: Path) -> None:
     cache = tmp_path / "torch_extensions"
     cache.mkdir()
     config = pool_config(min_workers=1, max_workers=1, start_timeout_s=600,
-                         worker_env=(("TESSERA_NUM_THREADS", "1"),
-                                     ("TORCH_EXTENSIONS_DIR", str(cache))))
+                         worker_threads=1,
+                         worker_env=(("TORCH_EXTENSIONS_DIR", str(cache)),))
     started = time.monotonic()
     runner = GatewayRunner([config], api_keys()).start(wait_ready=False)
     try:

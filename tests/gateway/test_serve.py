@@ -8,10 +8,13 @@ import argparse
 
 import pytest
 
-from gateway.serve import worker_args
+from gateway.serve import pool_config, worker_args
+from gateway.supervisor import WorkerPool
 from gateway.worker import parse_args as parse_worker
+from gateway.worker_handle import WorkerHandle
 from ops.cli import build_parser
 from runtime.engine_flags import FLAGS, Flag
+from runtime.threads import share_of_cores
 
 # A value other than the default for each flag (switches are simply given).
 SAMPLES = {"model": "/models/x", "dtype": "bfloat16", "kv-cache-bytes": "123456",
@@ -19,7 +22,7 @@ SAMPLES = {"model": "/models/x", "dtype": "bfloat16", "kv-cache-bytes": "123456"
            "tenant-page-quota": "0.5", "integrity": "off", "kv-cache-dtype": "fp8",
            "prefill-kv-cache-dtype": "bf16", "prefill-weights": "fp8",
            "decode-weights": "int4", "weight-group-size": "64", "serving-config": "/x.json",
-           "gguf-weights": "dequantize"}
+           "gguf-weights": "dequantize", "worker-threads": "3"}
 SERVE_EXCLUDES = ("max-num-seqs",)  # serve sizes workers with --max-inflight
 
 
@@ -53,11 +56,26 @@ def test_every_engine_flag_means_the_same_to_generate_chat_serve_and_the_worker(
 
 def test_serve_hands_the_flags_a_user_set_to_each_worker() -> None:
     parser = build_parser()
-    served = [f for f in FLAGS if f.name not in (*SERVE_EXCLUDES, "model", "kv-cache-bytes")]
+    pool_set = ("model", "kv-cache-bytes", "worker-threads")  # passed by the pool itself
+    served = [f for f in FLAGS if f.name not in (*SERVE_EXCLUDES, *pool_set)]
     serve = parser.parse_args(["serve", *_argv(served)])
     worker = parse_worker(["--socket", "/tmp/s", *worker_args(serve)])
     assert _values(worker, served) == _values(serve, served)
     assert worker_args(parser.parse_args(["serve"])) == ()
+
+
+def test_serve_gives_each_worker_its_threads_and_kv_budget() -> None:
+    parser = build_parser()
+    pool = WorkerPool(pool_config(parser.parse_args(
+        ["serve", "--worker-threads", "3", "--kv-cache-bytes", "123456"])))
+    command = pool._command(WorkerHandle("w", "/tmp/w.sock", 1))
+    worker = parse_worker(command[command.index("--socket"):])
+    assert (worker.worker_threads, worker.kv_cache_bytes) == (3, 123456)
+    default = WorkerPool(pool_config(parser.parse_args(["serve", "--max-workers", "2"])))
+    command = default._command(WorkerHandle("w", "/tmp/w.sock", 1))
+    worker = parse_worker(command[command.index("--socket"):])
+    assert worker.worker_threads == share_of_cores(2)
+    assert worker.kv_cache_bytes is None  # the worker sizes its pool from free memory
 
 
 def test_serve_defaults_bind_loopback_on_50051() -> None:

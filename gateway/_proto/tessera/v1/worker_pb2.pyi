@@ -121,7 +121,7 @@ class PrefixCacheSummary(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("worker_id", "served", "num_pages", "num_free_pages", "page_size", "num_running", "num_waiting", "num_preemptions", "max_model_len", "prefix_cache", "requests_served", "integrity_checks", "integrity_mismatches", "native_ops", "role", "exported", "imported")
+    __slots__ = ("worker_id", "served", "num_pages", "num_free_pages", "page_size", "num_running", "num_waiting", "num_preemptions", "max_model_len", "prefix_cache", "requests_served", "integrity_checks", "integrity_mismatches", "native_ops", "role", "exported", "imported", "num_threads")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SERVED_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class StatusResponse(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EXPORTED_FIELD_NUMBER: _ClassVar[int]
     IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     served: _gateway_pb2.ServedConfig
     num_pages: int
@@ -156,7 +157,8 @@ class StatusResponse(_message.Message):
     role: str
     exported: TransferStats
     imported: TransferStats
-    def __init__(self, worker_id: _Optional[str] = ..., served: _Optional[_Union[_gateway_pb2.ServedConfig, _Mapping]] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., integrity_checks: _Optional[int] = ..., integrity_mismatches: _Optional[int] = ..., native_ops: _Optional[str] = ..., role: _Optional[str] = ..., exported: _Optional[_Union[TransferStats, _Mapping]] = ..., imported: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+    num_threads: int
+    def __init__(self, worker_id: _Optional[str] = ..., served: _Optional[_Union[_gateway_pb2.ServedConfig, _Mapping]] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., integrity_checks: _Optional[int] = ..., integrity_mismatches: _Optional[int] = ..., native_ops: _Optional[str] = ..., role: _Optional[str] = ..., exported: _Optional[_Union[TransferStats, _Mapping]] = ..., imported: _Optional[_Union[TransferStats, _Mapping]] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("transfers", "frames", "pages", "bytes", "duration_s", "failures", "pending")
