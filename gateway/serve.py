@@ -132,7 +132,8 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     configure()
     keys, dev_key = ApiKeys.load(args.api_keys)
-    pools = pool_configs(pool_config(args), args)
+    pool = pool_config(args)
+    pools = pool_configs(pool, args)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
