@@ -7,7 +7,10 @@ on CPU; GPU kernels index pages directly and do not care.
 FP8 (e4m3) pages hold the raw bytes as uint8 (index_copy_ and index_select work on them on
 every device) plus one bf16 scale per (token, KV head) in a parallel [kv_heads, pages,
 page_size] tensor: the scale lives beside its page, so a page is moved, verified or freed as
-one unit (see kernels/fp8.py for why per token per head).
+one unit (see kernels/fp8.py for why per token per head). FP8 pages of a power-of-two
+head_dim hold the Walsh-Hadamard rotation of each K and V vector (QuaRot's online Hadamard,
+`kernels/hadamard.py`): the same bytes, about half the KL divergence of the unrotated format
+on held-out text (ops/bench/RESULTS.md); the attention kernels undo it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.hadamard import kv_rotation_applies
 from runtime.config import ModelConfig
 from runtime.formats import KVFormat, canonical_name
 
@@ -55,6 +59,11 @@ class KVCacheSpec:
         return self.format.name == "fp8"
 
     @property
+    def hadamard(self) -> bool:
+        """Whether pages hold Hadamard-rotated K and V (fp8 with a power-of-two head_dim)."""
+        return self.is_fp8 and kv_rotation_applies(self.head_dim)
+
+    @property
     def bytes_per_token(self) -> int:
         """K and V of one token in every layer, scales included."""
         per_layer = self.format.gqa_bytes_per_token_layer(self.num_kv_heads, self.head_dim)
@@ -69,12 +78,14 @@ class KVCacheSpec:
 
 
 class LayerKV(NamedTuple):
-    """One layer's view of the cache. Scales are None unless the pages are fp8."""
+    """One layer's view of the cache. Scales are None unless the pages are fp8; `hadamard`
+    says the pages hold rotated vectors (pass it to the attention and store kernels)."""
 
     k: torch.Tensor  # [kv_heads, pages, page_size, head_dim]
     v: torch.Tensor
     k_scale: torch.Tensor | None  # [kv_heads, pages, page_size] bf16
     v_scale: torch.Tensor | None
+    hadamard: bool = False
 
 
 class KVCache:
@@ -98,4 +109,5 @@ class KVCache:
     def layer(self, index: int) -> LayerKV:
         if self.k_scale is None or self.v_scale is None:
             return LayerKV(self.k[index], self.v[index], None, None)
-        return LayerKV(self.k[index], self.v[index], self.k_scale[index], self.v_scale[index])
+        return LayerKV(self.k[index], self.v[index], self.k_scale[index], self.v_scale[index],
+                       self.spec.hadamard)
