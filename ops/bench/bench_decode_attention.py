@@ -53,7 +53,11 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["1x128", "8x128", "32x128", "32x512"],
                     help="batch x context")
     ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's); 1 is steadier on a loaded machine")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ops = native()
     if ops is None:
         raise SystemExit("the C++ CPU ops are unavailable here (no compiler, or TESSERA_NATIVE=0)")

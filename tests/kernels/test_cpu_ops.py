@@ -163,9 +163,11 @@ def test_store_op_writes_the_twins_bytes_for_hadamard_rotated_rows(ops, tokens, 
     ops.store_kv_rows(x, got[0], slots, got[2], hadamard=True)
     ref_store_kv(x, x.clone(), want[0], want[1], slots, want[2], want[3], hadamard=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
-    plain = _cache("fp8", heads, pages, page_size, dim)
-    ops.store_kv_rows(x, plain[0], slots, plain[2])
-    assert not torch.equal(got[0], plain[0])
+    y = torch.randn(tokens, heads, dim, generator=gen)  # (x may be degenerate rows only)
+    rotated, plain = (_cache("fp8", heads, pages, page_size, dim) for _ in range(2))
+    ops.store_kv_rows(y, rotated[0], slots, rotated[2], hadamard=True)
+    ops.store_kv_rows(y, plain[0], slots, plain[2])
+    assert not torch.equal(rotated[0], plain[0])
 
 
 def test_ops_refuse_a_hadamard_rotation_of_a_non_power_of_two_head(ops):
