@@ -6,6 +6,10 @@
             print(chunk.text, end="")
         print(stream.usage)   # prompt_tokens, cached_tokens, completion_tokens
 
+`n=3` streams three candidates' chunks interleaved (`chunk.index`); `stream.texts[i]` and
+`stream.candidates` hold each one's text and end. `logprobs=k` adds `chunk.logprobs`: each
+token's logprob and the k most likely tokens'.
+
 Errors raise one class per reason (gateway.errors.REASONS). Retryable reasons (OVERLOADED,
 TENANT_CONCURRENCY_EXCEEDED, WORKER_LOST) are retried with backoff and a time budget, only
 before the first token.
@@ -36,13 +40,21 @@ from gateway.stream import (  # noqa: F401  (re-exported)
     DEFAULT_RETRY,
     NO_RETRY,
     AsyncStream,
+    Candidate,
     Chunk,
     RetryPolicy,
     Sampling,
     Stream,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
-from gateway.wire import SESSION_HEADER, ServedInfo, sampling_options  # noqa: F401
+from gateway.wire import (  # noqa: F401
+    SESSION_HEADER,
+    ServedInfo,
+    chat_message,
+    sampling_options,
+)
 from runtime.errors import (  # noqa: F401
     ContextLengthExceeded,
     InvalidArgument,
@@ -75,7 +87,7 @@ class _ClientBase:
     @staticmethod
     def _chat_request(messages: list[dict[str, str]], model: str,
                       sampling: Sampling) -> pb.ChatRequest:
-        msgs = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+        msgs = [chat_message(m) for m in messages]
         return pb.ChatRequest(model=model, messages=msgs, sampling=sampling_options(**sampling))
 
 

@@ -33,12 +33,52 @@ class Sampling(TypedDict, total=False):
     stop: str | list[str]
     stop_token_ids: list[int]
     ignore_eos: bool
+    n: int  # candidates (1..16); candidate i samples with seed + i when seeded
+    logprobs: int  # logprobs of each token and of this many top tokens (0..20)
+    min_tokens: int  # no EOS, stop token id or stop string before this many tokens
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    token: str  # the token's text alone
+    bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    chosen: TopLogprob
+    top: list[TopLogprob]  # most likely first
+
+    @classmethod
+    def from_proto(cls, m: pb.TokenLogprob) -> TokenLogprob:
+        return cls(_top(m.chosen), [_top(t) for t in m.top])
+
+
+def _top(m: pb.TopLogprob) -> TopLogprob:
+    return TopLogprob(m.token_id, m.logprob, m.token, m.bytes)
 
 
 @dataclass(frozen=True)
 class Chunk:
     text: str
     token_ids: list[int]
+    index: int = 0  # the candidate
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked
+    finish_reason: str | None = None  # on a candidate's last chunk
+    stop_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """How one candidate ended (Final.candidates)."""
+
+    index: int
+    finish_reason: str
+    stop_reason: str | None
+    completion_tokens: int
+    cached_tokens: int
 
 
 @dataclass(frozen=True)
@@ -77,16 +117,23 @@ class _StreamState:
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.served: ServedInfo | None = None
-        self.text = ""
-        self.token_ids: list[int] = []
+        self.text = ""  # candidate 0's
+        self.token_ids: list[int] = []  # every candidate's, as they came
+        self.texts: dict[int, str] = {}  # by candidate
+        self.candidates: list[Candidate] = []
         self.attempts = 0
         self._cancelled = False
 
     def _chunk(self, resp: pb.GenerateResponse) -> Chunk:
-        chunk = Chunk(resp.chunk.text, list(resp.chunk.token_ids))
-        if resp.chunk.HasField("served"):
-            self.served = ServedInfo.from_proto(resp.chunk.served)
-        self.text += chunk.text
+        c = resp.chunk
+        chunk = Chunk(c.text, list(c.token_ids), c.index,
+                      [TokenLogprob.from_proto(m) for m in c.logprobs] if c.logprobs else None,
+                      c.finish_reason or None, c.stop_reason or None)
+        if c.HasField("served"):
+            self.served = ServedInfo.from_proto(c.served)
+        if chunk.index == 0:
+            self.text += chunk.text
+        self.texts[chunk.index] = self.texts.get(chunk.index, "") + chunk.text
         self.token_ids += chunk.token_ids
         return chunk
 
@@ -96,6 +143,9 @@ class _StreamState:
         self.finish_reason = final.finish_reason
         self.stop_reason = final.stop_reason or None
         self.served = ServedInfo.from_proto(final.served)
+        self.candidates = [Candidate(c.index, c.finish_reason, c.stop_reason or None,
+                                     c.completion_tokens, c.cached_tokens)
+                           for c in final.candidates]
 
     def _error(self, e: grpc.RpcError, slept_s: float) -> tuple[TesseraError, float | None]:
         error = from_rpc_error(e)

@@ -15,7 +15,8 @@ SESSION_HEADER = "x-session-affinity"
 MAX_NAME_BYTES = 256  # model ids and session ids, refused past this at the edge
 
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p",
-                    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
+                    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+                    "n", "logprobs", "min_tokens")
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,39 @@ def sampling_options(**kwargs: Any) -> pb.SamplingOptions:
     return pb.SamplingOptions(**fields)
 
 
-def chunk_response(out: RequestOutput, first: bool = False,
-                   served: ServedInfo | None = None) -> pb.GenerateResponse | None:
-    """The chunk for one output, or None when it adds nothing. A request's first chunk carries
-    its prompt and cached token counts (so a stream cut short is still billed for them) and
-    the served configuration (so every chunk a client relays can name the model)."""
-    if not out.delta_text and not out.delta_token_ids:
+def message_dict(m: pb.ChatMessage) -> dict[str, str]:
+    """A chat message for the chat template: role and content, and tool_call_id / name when
+    set (templates with a tool format read them; others ignore them)."""
+    msg = {"role": m.role, "content": m.content}
+    if m.tool_call_id:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.name:
+        msg["name"] = m.name
+    return msg
+
+
+def chat_message(message: dict[str, str]) -> pb.ChatMessage:
+    """SDK side: a message dict (role, content, optional tool_call_id and name) to the wire."""
+    return pb.ChatMessage(role=message["role"], content=message["content"],
+                          tool_call_id=message.get("tool_call_id") or "",
+                          name=message.get("name") or "")
+
+
+def chunk_response(out: RequestOutput, first: bool = False, served: ServedInfo | None = None,
+                   index: int = 0,
+                   logprobs: list[pb.TokenLogprob] | None = None) -> pb.GenerateResponse | None:
+    """The chunk for one candidate's output, or None when it adds nothing. A request's first
+    chunk carries its prompt and cached token counts (so a stream cut short is still billed for
+    them) and the served configuration (so every chunk a client relays can name the model);
+    a candidate's last chunk, why it ended."""
+    if not out.delta_text and not out.delta_token_ids and not out.finished:
         return None
-    chunk = pb.Chunk(text=out.delta_text, token_ids=out.delta_token_ids)
+    chunk = pb.Chunk(text=out.delta_text, token_ids=out.delta_token_ids, index=index,
+                     logprobs=logprobs or ())
+    if out.finished:
+        completion = out.outputs[0]
+        chunk.finish_reason = completion.finish_reason or ""
+        chunk.stop_reason = "" if completion.stop_reason is None else str(completion.stop_reason)
     if first:
         chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids),
                                       cached_tokens=out.num_cached_tokens))
@@ -81,12 +107,20 @@ def chunk_response(out: RequestOutput, first: bool = False,
     return pb.GenerateResponse(chunk=chunk)
 
 
-def final_response(out: RequestOutput, served: ServedInfo) -> pb.GenerateResponse:
-    completion = out.outputs[0]
-    usage = pb.Usage(prompt_tokens=len(out.prompt_token_ids),
-                     cached_tokens=out.num_cached_tokens,
-                     completion_tokens=len(completion.token_ids))
-    stop = "" if completion.stop_reason is None else str(completion.stop_reason)
-    return pb.GenerateResponse(final=pb.Final(finish_reason=completion.finish_reason or "",
-                                              stop_reason=stop, usage=usage,
-                                              served=served.to_proto()))
+def final_response(outs: list[RequestOutput], served: ServedInfo) -> pb.GenerateResponse:
+    """The one final message for every candidate's last output (by index): the prompt counted
+    once, cached tokens as candidate 0 found them, completion tokens of all candidates."""
+    ends = []
+    for i, out in enumerate(outs):
+        c = out.outputs[0]
+        ends.append(pb.CandidateEnd(index=i, finish_reason=c.finish_reason or "",
+                                    stop_reason="" if c.stop_reason is None else str(c.stop_reason),
+                                    completion_tokens=len(c.token_ids),
+                                    cached_tokens=out.num_cached_tokens))
+    first = outs[0]
+    usage = pb.Usage(prompt_tokens=len(first.prompt_token_ids),
+                     cached_tokens=first.num_cached_tokens,
+                     completion_tokens=sum(e.completion_tokens for e in ends))
+    return pb.GenerateResponse(final=pb.Final(finish_reason=ends[0].finish_reason,
+                                              stop_reason=ends[0].stop_reason, usage=usage,
+                                              served=served.to_proto(), candidates=ends))

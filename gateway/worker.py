@@ -24,10 +24,13 @@ from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import to_status
+from gateway.logprobs import TokenLogprobs
 from gateway.logs import configure, get_logger
 from runtime.async_engine import AsyncLLM
+from runtime.candidates import generate_candidates
 from runtime.engine_flags import add_engine_flags, engine_config
 from runtime.errors import RequestCancelled, TesseraError
+from runtime.outputs import RequestOutput
 
 log = get_logger("tessera.worker")
 
@@ -44,6 +47,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.loop_faults = {t: k for k, t in (f.split(":", 1) for f in fault_loop or ())}
         self.native_ops = native_ops
         self.requests_served = 0
+        self.logprobs = TokenLogprobs(self.engine.tokenizer)
 
     async def Generate(self, request: wpb.WorkerGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -54,24 +58,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # loop (other streams' writes) or the engine thread (everyone's steps).
             prompt = await asyncio.to_thread(self._prompt, request)
             params = wire.sampling_params(request.sampling)
-            first, sent = True, False
-            async for out in self.llm.generate(prompt, params, request_id=rid,
-                                               tenant=request.tenant or "default"):
+            sent = False
+            started: set[int] = set()
+            finals: dict[int, RequestOutput] = {}
+            async for index, out in generate_candidates(self.llm, prompt, params,
+                                                        request_id=rid,
+                                                        tenant=request.tenant or "default"):
                 if out.error is not None:
                     raise out.error
                 if out.finished and out.outputs[0].finish_reason == "abort":
                     raise RequestCancelled("the request was aborted", request_id=rid)
-                chunk = wire.chunk_response(out, first=not sent, served=self.served)
+                lps = (None if params.logprobs is None
+                       else self.logprobs.delta(out, params.logprobs))
+                chunk = wire.chunk_response(out, first=not sent, served=self.served, index=index,
+                                            logprobs=lps)
                 if chunk is not None:
                     sent = True
                     yield chunk
-                if first and request.tenant == self.fault_tenant and not out.finished:
+                first = index not in started
+                started.add(index)
+                if first and index == 0 and request.tenant == self.fault_tenant \
+                        and not out.finished:
                     await self._inject_fault(rid)
                 if sent and request.tenant in self.loop_faults and not out.finished:
                     self.llm.inject_loop_fault(self.loop_faults.pop(request.tenant))
-                first = False
                 if out.finished:
-                    yield wire.final_response(out, self.served)
+                    finals[index] = out
+            yield wire.final_response([finals[i] for i in range(params.n)], self.served)
         except TesseraError as e:
             log.info("request failed", request_id=rid, tenant=request.tenant, reason=e.reason)
             await context.abort_with_status(to_status(e))
@@ -84,7 +97,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            messages = [wire.message_dict(m) for m in request.chat.messages]
             return self.engine.tokenizer.encode_chat(messages)
         if request.split_special_tokens and request.text:
             return self.engine.tokenizer.encode(request.text, split_special_tokens=True)

@@ -5,6 +5,7 @@ Importing this package never needs a GPU.
 """
 
 from kernels.fp8 import FP8_MAX, decode_e4m3_bits, dequantize_fp8_kv, fp8_scale, quantize_fp8_kv
+from kernels.moe import fused_moe, moe_align, ref_fused_moe
 from kernels.paged_attention import (
     decode_pads_to_longest,
     paged_decode_attention,
@@ -12,7 +13,7 @@ from kernels.paged_attention import (
     ref_paged_decode_attention,
     ref_paged_prefill_attention,
 )
-from kernels.store_kv import ref_store_kv, store_kv
+from kernels.store_kv import ref_store_kv, store_kv, store_latent
 
 __all__ = [
     "FP8_MAX",
@@ -20,11 +21,15 @@ __all__ = [
     "decode_pads_to_longest",
     "dequantize_fp8_kv",
     "fp8_scale",
+    "fused_moe",
+    "moe_align",
     "paged_decode_attention",
     "paged_prefill_attention",
     "quantize_fp8_kv",
+    "ref_fused_moe",
     "ref_paged_decode_attention",
     "ref_paged_prefill_attention",
     "ref_store_kv",
     "store_kv",
+    "store_latent",
 ]

@@ -47,3 +47,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     ops.store_kv_rows(k, k_cache, slot_mapping, k_scale, hadamard)
     ops.store_kv_rows(v, v_cache, slot_mapping, v_scale, hadamard)
+
+
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 scale: torch.Tensor | None = None) -> None:
+    """MLA: write new tokens' latent vectors [tokens, 1, latent_dim] into latent pages
+    [1, pages, page_size, latent_dim] (fp8 pages: one scale per token in `scale`)."""
+    assert latent.shape[1:] == (1, cache.shape[-1]) and cache.shape[0] == 1, (latent.shape,
+                                                                              cache.shape)
+    ops = native() if latent.device.type == "cpu" and latent.dtype == torch.float32 else None
+    if ops is None:
+        _store(latent, cache, scale, slot_mapping, False)
+    else:
+        ops.store_kv_rows(latent, cache, slot_mapping, scale)

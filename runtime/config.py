@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.errors import InvalidArgument, ModelLoadError
@@ -27,6 +27,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     attention_bias: bool = False
+    # MLA (DeepSeek-V3): what one token caches per layer, kv_lora_rank + qk_rope_head_dim
+    # elements, instead of K and V per KV head.
+    kv_latent_dim: int | None = None
+    # The config.json as read: model families parse their own fields (experts, routing) from it.
+    hf_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -82,6 +87,9 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 attention_bias=bool(cfg.get("attention_bias", False)),
+                kv_latent_dim=(int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
+                               if cfg.get("kv_lora_rank") else None),
+                hf_config=dict(cfg),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}",
@@ -90,9 +98,11 @@ class ModelConfig:
             raise ModelLoadError(f"config.json has a malformed field: {e}") from e
 
     def to_hf_config(self) -> dict[str, Any]:
-        """This config as a Hugging Face config.json dict (Llama family), which
-        `from_hf_config` reads back to an equal ModelConfig."""
+        """This config as a Hugging Face config.json dict, which `from_hf_config` reads back to
+        an equal ModelConfig: the config.json as read for families beyond Llama."""
         eos = list(self.eos_token_ids)
+        if self.hf_config is not None and self.architecture != "LlamaForCausalLM":
+            return dict(self.hf_config)
         return {"architectures": [self.architecture], "model_type": "llama",
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size,
@@ -130,8 +140,13 @@ class EngineConfig:
     decode_weights: str = "auto"
     weight_group_size: int = 128
     weight_symmetric: bool = True
+    # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise InvalidArgument(f"tensor_parallel_size must be a positive integer, got "
+                                  f"{self.tensor_parallel_size!r}", field="tensor_parallel_size")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise InvalidArgument(f"page_size must be a power of two, got {self.page_size}",
                                   field="page_size")

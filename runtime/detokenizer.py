@@ -15,7 +15,10 @@ _CONTEXT_TOKENS = 6
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
-                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
+        """`min_tokens`: stop strings are looked for only once more tokens than this were added
+        (vLLM's rule), so the first min_tokens tokens never end the text."""
         self.tokenizer = tokenizer
         self.tokens = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -27,10 +30,13 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text so far (stop string already cut)
         self.emitted = 0  # characters of `text` already released
         self.stopped_on: str | None = None
+        self.min_tokens = min_tokens
+        self.num_added = 0
 
     def add_token(self, token_id: int) -> None:
         """Decode one more token; sets `stopped_on` when a stop string completes."""
         self.tokens.append(token_id)
+        self.num_added += 1
         decode = self.tokenizer.decode
         prefix = decode(self.tokens[self.prefix_offset : self.read_offset], self.skip_special)
         full = decode(self.tokens[self.prefix_offset :], self.skip_special)
@@ -41,7 +47,8 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         start = max(0, len(self.text) - self.holdback)
         self.text += new_text
-        self._check_stop(start)
+        if self.num_added > self.min_tokens:
+            self._check_stop(start)
 
     def _check_stop(self, search_from: int) -> None:
         """Cut at the stop string that completes first when the text is read a character at a

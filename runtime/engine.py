@@ -10,6 +10,7 @@ import torch
 
 from runtime.config import EngineConfig, ModelConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.distributed import TensorParallel, TensorParallelIntegrityTracker
 from runtime.errors import (
     ContextLengthExceeded,
     InvalidArgument,
@@ -73,10 +74,13 @@ class LLMEngine:
             prefill_kv_cache_dtype=config.prefill_kv_cache_dtype,
             group_size=config.weight_group_size, symmetric=config.weight_symmetric,
             checkpoint_format=checkpoint.quantization)
+        self.tp = self._join_tensor_parallel()
         self.prefill_model, self.decode_model = self._build_models()
         # NOTE: colocated, KV is written in the decode phase's format whoever writes it.
         spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.formats.kv)
         num_pages = spec.pages_in(config.kv_cache_bytes)
+        if self.tp is not None:  # this rank's heads; the same page count on every rank
+            spec, num_pages = self.tp.shard_kv_spec(spec, config.kv_cache_bytes)
         if num_pages < 1:
             raise InvalidArgument(f"kv_cache_bytes={config.kv_cache_bytes} holds no page of "
                                   f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
@@ -92,8 +96,10 @@ class LLMEngine:
             self.prefix_cache)
         self.runner = ModelRunner(self.prefill_model, self.decode_model, self.kv_cache,
                                   self.device)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
         self.tracker = TRACKERS[config.integrity](self.pool)
+        if self.tp is not None:
+            self.tracker = TensorParallelIntegrityTracker(self.tracker, self.tp)
         self.requests: dict[str, Sequence] = {}
         # namespace -> (prefix token ids, tenants allowed to share it)
         self.shared_prefixes: dict[str, tuple[list[int], frozenset[str]]] = {}
@@ -115,6 +121,10 @@ class LLMEngine:
             model = model_class(self.model_config)(self.model_config)
         stored = self.checkpoint.quantization
         model.load_weights(self.checkpoint.tensors(), self.dtype, quantization=stored)
+        if self.tp is not None:
+            from runtime.models.tensor_parallel import shard_model
+
+            shard_model(model, self.tp)
         base = model.to(self.device).eval()
         if stored is not None:
             return base, base  # served as stored (ServingFormats refuses anything else)
@@ -124,6 +134,20 @@ class LLMEngine:
         if self.formats.shares_weights:
             return prefill, prefill
         return prefill, convert_model(base, self.formats.decode.weights)
+
+    def _join_tensor_parallel(self) -> TensorParallel | None:
+        """This rank's place in the launcher's process group, or None for one process."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return None
+        stored = self.checkpoint.quantization
+        quantized = [p.weights.label for p in (self.formats.prefill, self.formats.decode)
+                     if p.weights.name in ("fp8", "int4")]
+        if stored is not None or quantized:
+            raise InvalidArgument("tensor parallelism serves float weights only for now, not "
+                                  f"{stored.label if stored is not None else quantized[0]}",
+                                  field="tensor_parallel_size")
+        return TensorParallel.join(size)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -184,6 +208,9 @@ class LLMEngine:
         (`tokenize_prompt`, off the engine thread) may bring their text as `prompt_text`."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be a SamplingParams", field="params")
+        if params.n != 1:  # one sequence per request: runtime.candidates fans n out
+            raise InvalidArgument("add_request takes n = 1; fan candidates out with "
+                                  "runtime.candidates", field="n")
         if request_id in self.requests:
             raise InvalidArgument(f"request id {request_id!r} is already in flight",
                                   field="request_id")
@@ -201,7 +228,8 @@ class LLMEngine:
         seq.shared_namespace, seq.shared_pages = self._shared_prefix_for(tenant, ids)
         seq.state = RequestState(
             IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                   params.include_stop_str_in_output, params.skip_special_tokens),
+                                   params.include_stop_str_in_output, params.skip_special_tokens,
+                                   params.min_tokens),
             None if params.seed is None else torch.Generator().manual_seed(params.seed))
         self.requests[request_id] = seq
         self.scheduler.add(seq)

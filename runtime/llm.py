@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from runtime.candidates import child_id, child_params, merge
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.errors import InvalidArgument
@@ -26,7 +27,7 @@ class LLM:
                  tenant_page_quota: float = 1.0, kv_cache_dtype: str = "auto",
                  prefill_kv_cache_dtype: str = "auto", prefill_weights: str = "auto",
                  decode_weights: str = "auto", weight_group_size: int = 128,
-                 weight_symmetric: bool = True) -> None:
+                 weight_symmetric: bool = True, tensor_parallel_size: int = 1) -> None:
         config = EngineConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
@@ -37,7 +38,8 @@ class LLM:
                               prefill_kv_cache_dtype=prefill_kv_cache_dtype,
                               prefill_weights=prefill_weights, decode_weights=decode_weights,
                               weight_group_size=weight_group_size,
-                              weight_symmetric=weight_symmetric)
+                              weight_symmetric=weight_symmetric,
+                              tensor_parallel_size=tensor_parallel_size)
         self.engine = LLMEngine.from_path(model, config)
         self._ids = itertools.count()
 
@@ -94,10 +96,19 @@ class LLM:
             if not token_ids:
                 raise InvalidArgument(f"prompt {i} is empty", field="prompt")
         rids = [f"offline-{next(self._ids)}" for _ in prompts]
-        order = {rid: i for i, rid in enumerate(rids)}
-        for rid, (text, token_ids), p in zip(rids, tokenized, params_list, strict=True):
-            self.engine.add_request(rid, token_ids, p, tenant=tenant, prompt_text=text)
-        return self._run(order)
+        # child id -> (prompt position, candidate index); candidates past 0 wait in `later`
+        # until candidate 0 has sampled (its prompt pages are then in the prefix cache).
+        order: dict[str, tuple[int, int]] = {}
+        later: dict[str, list[tuple[str, list[int], SamplingParams, str | None]]] = {}
+        for pos, (rid, (text, token_ids), p) in enumerate(
+                zip(rids, tokenized, params_list, strict=True)):
+            for i in range(p.n):
+                order[child_id(rid, i)] = (pos, i)
+            self.engine.add_request(rid, token_ids, child_params(p, 0), tenant=tenant,
+                                    prompt_text=text)
+            later[rid] = [(child_id(rid, i), token_ids, child_params(p, i), text)
+                          for i in range(1, p.n)]
+        return self._run(order, later, [p.n for p in params_list], tenant)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                tenant: str = "default") -> Iterator[RequestOutput]:
@@ -125,14 +136,20 @@ class LLM:
         prompts = [self.engine.tokenizer.encode_chat(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, tenant=tenant)
 
-    def _run(self, order: dict[str, int]) -> list[RequestOutput]:
-        results: list[RequestOutput | None] = [None] * len(order)
+    def _run(self, order: dict[str, tuple[int, int]],
+             later: dict[str, list[tuple[str, list[int], SamplingParams, str | None]]],
+             counts: list[int], tenant: str) -> list[RequestOutput]:
+        results: list[list[RequestOutput | None]] = [[None] * n for n in counts]
         try:
-            while any(r is None for r in results):
+            while any(r is None for rs in results for r in rs):
                 for out in self.engine.step():
+                    for cid, ids, p, text in later.pop(out.request_id, ()):
+                        self.engine.add_request(cid, ids, p, tenant=tenant, prompt_text=text)
                     if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
+                        pos, i = order[out.request_id]
+                        results[pos][i] = out
         finally:
             for rid in order:
                 self.engine.abort_request(rid)
-        return [r for r in results if r is not None]
+        return [rs[0] if len(rs) == 1 else merge(rs)  # type: ignore[misc,arg-type]
+                for rs in results]

@@ -1,8 +1,9 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds.
+"""Batched sampling: min_tokens, penalties, temperature, top-k/p, min-p, per-request seeds.
 
-Greedy rows take the argmax of the raw logits. Random rows draw with the exponential-race
-trick (argmax of p / E, E ~ Exp(1)) using a generator owned by the sequence, so a seeded
-request draws the same numbers whatever else shares its batch.
+Rows short of their `min_tokens` cannot draw EOS or a stop token id (their logits are -inf,
+as in vLLM). Greedy rows take the argmax of the raw logits. Random rows draw with the
+exponential-race trick (argmax of p / E, E ~ Exp(1)) using a generator owned by the sequence,
+so a seeded request draws the same numbers whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
         self.default_generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  histories: list[tuple[list[int], list[int]]],
@@ -31,6 +33,8 @@ class Sampler:
         # logits: [rows, vocab]; histories: (prompt ids, output ids) per row
         logits = logits.float()
         raw = logits
+        if any(p.min_tokens for p in params):
+            logits = self._mask_stops(logits, params, histories)
         if any(p.uses_penalties for p in params):
             logits = _apply_penalties(logits.clone(), params, histories)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
@@ -61,6 +65,24 @@ class Sampler:
                     entry.update(zip(ids.tolist(), vals.tolist(), strict=True))
                 logprobs[i] = entry
         return SamplerOutput(token_ids, logprobs)
+
+
+    def _mask_stops(self, logits: torch.Tensor, params: list[SamplingParams],
+                    histories: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+        """-inf for EOS and stop token ids on rows with fewer than min_tokens outputs."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vocab = logits.shape[-1]
+        for i, p in enumerate(params):
+            if len(histories[i][1]) < p.min_tokens:
+                banned = {t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab}
+                rows += [i] * len(banned)
+                cols += sorted(banned)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        return logits
 
 
 def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams],

@@ -12,6 +12,9 @@ SAMPLING_EPS = 1e-5
 # Stop strings are searched on every decoded token: their number and length are bounded.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# Candidates per prompt (`n`): each is a sequence with its own pages past the shared prompt.
+MAX_CANDIDATES = 16
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,10 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Candidates for the prompt; candidate i samples with seed + i (mod 2**64) when seeded.
+    n: int = 1
+    # EOS and stop token ids are masked, and stop strings not checked, before this many tokens.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists, None and a single stop string, as users of vLLM pass them.
@@ -85,9 +92,15 @@ class SamplingParams:
             raise bad("stop", f"strings may be at most {MAX_STOP_CHARS} characters long")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or
-                                          not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or
+                                          not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_CANDIDATES:
+            raise bad("n", f"must be an integer in [1, {MAX_CANDIDATES}]")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be a non-negative integer")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +124,10 @@ def _shown(value: object) -> str:
     if isinstance(value, (str, tuple, list)):
         return f"a {type(value).__name__} of length {len(value)}"
     return f"a value of type {type(value).__name__}"
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_finite(x: object) -> bool:

@@ -12,10 +12,11 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import FileResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 
 from gateway.errors import Internal, Unauthenticated
 from gateway.rest import openai_api, workers_ai
+from gateway.rest.docs import install_docs
 from gateway.rest.drain import Drain
 from gateway.rest.errors import ShimError, error_response
 from gateway.rest.guard import (
@@ -45,8 +46,16 @@ most the size limit (else 413), and must keep arriving (408 after {BODY_TIMEOUT_
 a byte, by default). Bodies are strict: unknown fields and mistyped values are refused with 400
 (no coercion of `"0.5"` to a number, and integers are written as such: `2`, not `2.0`), strings
 must be valid UTF-8 (no lone surrogates); OpenAI fields tessera does not implement are
-accepted only at their neutral value (`n: 1`). `top_k` 0 and -1 both mean off. `max_tokens` and
-`max_completion_tokens`, when both are given, must agree.
+refused. `top_k` 0 and -1 both mean off. `max_tokens` and `max_completion_tokens`, when both are
+given, must agree. `n` candidates (1-16; candidate i samples with `seed` + i) share the prompt's
+KV pages; usage counts the prompt once and every candidate's tokens, and streamed chunks name
+their choice's `index`. `logprobs` (chat: `top_logprobs` 0-20 with `logprobs: true`;
+completions: 0-20) are of the model's raw distribution, before penalties and temperature.
+`min_tokens` (vLLM's) holds off EOS, stop token ids and stop strings. `/v1/completions` takes
+up to 16 prompts; choice k * n + i is prompt k's candidate i. `role: "tool"` messages need a
+`tool_call_id`. `/ai/run` renders `prompt` through the model's chat template unless
+`raw: true`. `/health` answers 200 while the gateway serves, else 503; `/docs` and `/redoc`
+need no internet.
 
 Refused for reasons this document cannot state (they depend on the model, the key or the
 load): an unknown model (404) or one the key may not use (403); a prompt that does not fit the
@@ -163,12 +172,14 @@ def build_app(upstream: Upstream, view: GatewayView | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, *, operator_key: str | None = None,
               body_timeout_s: float = BODY_TIMEOUT_S, drain: Drain | None = None) -> FastAPI:
     """`operator_key` opens `/status`; without one, a random key nobody knows keeps it shut."""
-    app = FastAPI(title="tessera REST shim", version="1", description=DESCRIPTION)
+    app = FastAPI(title="tessera REST shim", version="1", description=DESCRIPTION,
+                  docs_url=None, redoc_url=None)
     app.state.upstream, app.state.stats, app.state.view = upstream, ShimStats(), view
     app.state.operator_key = operator_key or secrets.token_urlsafe(32)
     app.state.drain = drain = drain or Drain()
     app.include_router(openai_api.router)
     app.include_router(workers_ai.router)
+    install_docs(app)
     _install_error_handlers(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
@@ -181,6 +192,14 @@ def build_app(upstream: Upstream, view: GatewayView | None = None,
         return {"gateway_target": upstream.target,
                 "shim": request.app.state.stats.snapshot(),
                 "gateway": None if view is None else await view.snapshot()}
+
+    @app.get("/health", tags=["status"], responses={503: {"description": "not serving"}})
+    async def health(request: Request) -> Response:
+        """Liveness and readiness on the API port: 200 `{"status": "ok"}` while this shim
+        takes requests and its gateway reports SERVING (gRPC health), else 503."""
+        ok = not request.app.state.drain.draining and await upstream.serving()
+        return JSONResponse({"status": "ok" if ok else "unavailable"},
+                            status_code=200 if ok else 503)
 
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:

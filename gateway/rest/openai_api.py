@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,9 +12,10 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.client import AsyncStream
+from gateway.rest.choices import Choices
 from gateway.rest.docs import OPENAI_ERRORS, SSE_OK
 from gateway.rest.errors import openai_error_body
-from gateway.rest.relay import SSE_DONE, SSE_HEADERS, Relay, sse
+from gateway.rest.relay import SSE_DONE, SSE_HEADERS, Relay, merged, sse
 from gateway.rest.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from gateway.rest.upstream import api_key, fingerprint, open_stream, served_header
 from runtime.errors import TesseraError
@@ -21,88 +23,94 @@ from runtime.errors import TesseraError
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 
 
-def usage_body(stream: AsyncStream) -> dict[str, Any] | None:
-    u = stream.usage
-    if u is None:
+def usage_body(*streams: AsyncStream) -> dict[str, Any] | None:
+    """Usage over one or more streams (a list of prompts): each prompt counted once, every
+    candidate's tokens counted."""
+    usages = [s.usage for s in streams]
+    if any(u is None for u in usages):
         return None
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    prompt = sum(u.prompt_tokens for u in usages)  # type: ignore[union-attr]
+    completion = sum(u.completion_tokens for u in usages)  # type: ignore[union-attr]
+    cached = sum(u.cached_tokens for u in usages)  # type: ignore[union-attr]
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class _Shape:
-    """What differs between chat and text completions: ids, object names, the choice body."""
+    """What differs between chat and text completions: ids, object names, the envelope."""
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, body: OpenAIRequest) -> None:
+        self.chat, self.model, self.n = chat, body.model, body.n
+        self.logprobs = body.logprob_count() is not None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
 
-    def envelope(self, obj: str, choices: list[dict[str, Any]], stream: AsyncStream,
+    def envelope(self, obj: str, choices: list[dict[str, Any]], streams: list[AsyncStream],
                  usage: bool) -> dict[str, Any]:
-        model = self.model or (stream.served.model if stream.served else "")
+        served = next((s.served for s in streams if s.served), None)
         body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created,
-                                "model": model, "choices": choices,
-                                "system_fingerprint": fingerprint(stream.served)}
+                                "model": self.model or (served.model if served else ""),
+                                "choices": choices, "system_fingerprint": fingerprint(served)}
         if usage:
-            body["usage"] = usage_body(stream)
+            body["usage"] = usage_body(*streams)
         return body
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
 
     @property
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def full(self, text: str, stream: AsyncStream) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                  "finish_reason": stream.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        obj = "chat.completion" if self.chat else "text_completion"
-        return self.envelope(obj, [choice], stream, usage=True)
-
-    def delta(self, text: str | None, finish: str | None, stream: AsyncStream,
-              usage: bool, first: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
-        body = self.envelope(self.chunk_object, [choice], stream, usage=False)
-        if usage:
-            body["usage"] = None
-        return body
-
 
 async def _serve(request: Request, body: OpenAIRequest, shape: _Shape, route: str,
-                 stream: AsyncStream) -> Response:
-    relay = await Relay(stream, request, route).start()
+                 streams: list[AsyncStream]) -> Response:
+    relays = [Relay(stream, request, route) for stream in streams]
+    # NOTE: every prompt starts at once; each start waits for its first token (or its error).
+    started = await asyncio.gather(*(r.start() for r in relays), return_exceptions=True)
+    failed = [e for e in started if isinstance(e, BaseException)]
+    if failed:
+        for relay in relays:
+            relay.close()
+        raise failed[0]
+    choices = [Choices(shape.chat, shape.logprobs, k * shape.n) for k in range(len(relays))]
     if not body.stream:
-        text = await relay.text()
-        return JSONResponse(shape.full(text, stream), headers=served_header(stream.served))
+        async for k, chunk in merged(relays):
+            choices[k].add(chunk)
+        bodies = [b for chosen in choices for b in chosen.bodies(shape.n)]
+        return JSONResponse(shape.envelope(shape.object, bodies, streams, usage=True),
+                            headers=served_header(streams[0].served))
     usage = body.stream_options is not None and body.stream_options.include_usage
-    return StreamingResponse(_events(relay, shape, usage), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+    return StreamingResponse(_events(relays, choices, shape, usage),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _events(relay: Relay, shape: _Shape, usage: bool) -> AsyncIterator[bytes]:
-    stream = relay.stream
+async def _events(relays: list[Relay], choices: list[Choices], shape: _Shape,
+                  usage: bool) -> AsyncIterator[bytes]:
+    streams = [r.stream for r in relays]
+
+    def event(choice: dict[str, Any]) -> bytes:
+        body = shape.envelope(shape.chunk_object, [choice], streams, usage=False)
+        if usage:
+            body["usage"] = None
+        return sse(body)
+
     if shape.chat:
-        yield sse(shape.delta("", None, stream, usage, first=True))
+        for i in range(len(relays) * shape.n):
+            yield event({"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None})
     try:
-        async for chunk in relay.chunks():
-            if chunk.text:
-                yield sse(shape.delta(chunk.text, None, stream, usage))
+        async for k, chunk in merged(relays):
+            choice = choices[k].add(chunk)
+            if choice is not None:
+                yield event(choice)
     except TesseraError as e:  # after the status line: the error travels as an event
         yield sse(openai_error_body(e))
         return
-    yield sse(shape.delta(None if shape.chat else "", stream.finish_reason, stream, usage))
     if usage:
-        yield sse(shape.envelope(shape.chunk_object, [], stream, usage=True))
+        yield sse(shape.envelope(shape.chunk_object, [], streams, usage=True))
     yield SSE_DONE
 
 
@@ -110,15 +118,16 @@ async def _events(relay: Relay, shape: _Shape, usage: bool) -> AsyncIterator[byt
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     stream = open_stream(request, request.app.state.upstream, model=body.model,
                          messages=[m.as_dict() for m in body.messages], sampling=body.sampling())
-    return await _serve(request, body, _Shape(True, body.model), "chat", stream)
+    return await _serve(request, body, _Shape(True, body), "chat", [stream])
 
 
 @router.post("/completions", responses={**SSE_OK, **OPENAI_ERRORS})
 async def completions(request: Request, body: CompletionRequest) -> Response:
-    stream = open_stream(request, request.app.state.upstream, model=body.model,
-                         prompt=body.prompt_value(), sampling=body.sampling(),
-                         split_special_tokens=body.split_special_tokens)
-    return await _serve(request, body, _Shape(False, body.model), "completions", stream)
+    streams = [open_stream(request, request.app.state.upstream, model=body.model, prompt=p,
+                           sampling=body.sampling(),
+                           split_special_tokens=body.split_special_tokens)
+               for p in body.prompt_values()]
+    return await _serve(request, body, _Shape(False, body), "completions", streams)
 
 
 @router.get("/models", responses=OPENAI_ERRORS)

@@ -107,3 +107,43 @@ class Relay:
 
     async def text(self) -> str:
         return "".join([c.text async for c in self.chunks()])
+
+    def close(self) -> None:
+        """Give up on a started relay that will not be read (a sibling prompt failed)."""
+        if not self._finished:
+            self._finish("CANCELLED")
+            self.stream.cancel()
+
+
+async def merged(relays: list[Relay]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(relay position, chunk) from every relay as chunks arrive; the first error is raised,
+    and leaving early (or an error) cancels every relay's upstream call."""
+    if len(relays) == 1:
+        async for chunk in relays[0].chunks():
+            yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(k: int, relay: Relay) -> None:
+        try:
+            async for chunk in relay.chunks():
+                queue.put_nowait((k, chunk))
+            queue.put_nowait((k, None))
+        except Exception as e:  # raised to the reader through the queue
+            queue.put_nowait((k, e))
+
+    tasks = [asyncio.create_task(pump(k, r)) for k, r in enumerate(relays)]
+    live = len(tasks)
+    try:
+        while live:
+            k, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -6,8 +6,11 @@ floats its float32 (finite, and a positive bound stays positive there). The samp
 and the stop list's bounds are the engine's (SamplingParams checks them again, and
 tests/rest/test_schemas.py holds the two to the same edges), stated here so that the OpenAPI
 document says what is accepted; so are a non-empty conversation and exactly one of `prompt` /
-`messages`. OpenAI fields that tessera does not implement are accepted only at their neutral
-value (`n` = 1, no `logprobs`, no `tools`), so a client never gets a silently different answer.
+`messages`. OpenAI fields that tessera does not implement are refused unless at their neutral
+value, so a client never gets a silently different answer. `n` (up to MAX_CANDIDATES, where
+OpenAI allows 128: each candidate holds its own KV pages past the prompt), `logprobs` /
+`top_logprobs` (chat: `top_logprobs` needs `logprobs: true`, as OpenAI rules) and vLLM's
+`min_tokens` are served; `/v1/completions` takes up to MAX_PROMPTS prompts.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ from pydantic import (
     model_validator,
 )
 
-from runtime.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from runtime.sampling_params import (
+    MAX_CANDIDATES,
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+)
 
 U32 = 2**32 - 1
 I32 = 2**31 - 1
@@ -89,25 +97,49 @@ class Message(Strict):
     role: Text
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_call_id: Text | None = None  # role "tool": the call whose result this is
+
+    @model_validator(mode="after")
+    def _tool_answers_a_call(self) -> Message:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role `tool` needs `tool_call_id`")
+        return self
 
     def as_dict(self) -> dict[str, str]:
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        msg = {"role": self.role, "content": content}
+        if self.tool_call_id:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.name:
+            msg["name"] = self.name
+        return msg
 
 
 class StreamOptions(Strict):
     include_usage: bool = False
 
 
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
 class OpenAIRequest(Sampling):
     model: Text = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CANDIDATES)] = 1
     user: Text | None = None
-    logprobs: Literal[False] | None = None
+    # vLLM's: EOS, stop token ids and stop strings end no candidate before this many tokens.
+    min_tokens: Annotated[int, Field(ge=0, le=U32)] | None = None
+
+    def logprob_count(self) -> int | None:
+        """How many top tokens to return per position; None: no logprobs at all."""
+        return None
+
+    def sampling(self) -> dict[str, Any]:
+        return {**super().sampling(), "n": self.n, "min_tokens": self.min_tokens,
+                "logprobs": self.logprob_count()}
 
 
 Messages = Annotated[list[Message], Field(min_length=1)]
@@ -116,6 +148,17 @@ Messages = Annotated[list[Message], Field(min_length=1)]
 class ChatCompletionRequest(OpenAIRequest):
     messages: Messages
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @model_validator(mode="after")
     def _one_max(self) -> ChatCompletionRequest:
@@ -126,8 +169,11 @@ class ChatCompletionRequest(OpenAIRequest):
         return self
 
 
-Prompt = NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)] | \
-    Annotated[list[Annotated[int, Field(ge=0, le=U32)]], Field(min_length=1)]
+MAX_PROMPTS = 16  # prompts in one /v1/completions request (each a request to the gateway)
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=U32)]], Field(min_length=1)]
+Prompt = NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1,
+                                                            max_length=MAX_PROMPTS)] | \
+    TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
 
 
 class CompletionRequest(OpenAIRequest):
@@ -136,12 +182,17 @@ class CompletionRequest(OpenAIRequest):
     # Not OpenAI's (an extra field, as vLLM accepts extras): special-token literals in a text
     # prompt are plain text, not control tokens (Hugging Face's name for it).
     split_special_tokens: bool = False
+    logprobs: TopLogprobs | None = None
 
-    def prompt_value(self) -> str | list[int]:
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def prompt_values(self) -> list[str | list[int]]:
+        """Each prompt: a string or a list of token ids (choices are indexed across them)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            return str(p[0])
-        return p  # type: ignore[return-value]
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class WorkersAIRequest(Sampling):
@@ -153,6 +204,9 @@ class WorkersAIRequest(Sampling):
 
 class WorkersAIPrompt(WorkersAIRequest):
     prompt: NonEmptyText
+    # Workers AI's: false (the default) renders `prompt` as one user turn through the model's
+    # chat template; true sends it as is, in the model's own prompt format.
+    raw: bool = False
 
 
 class WorkersAIMessages(WorkersAIRequest):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import grpc
 from starlette.requests import Request
 
 from gateway.client import NO_RETRY, AsyncClient, AsyncStream, RetryPolicy
@@ -42,6 +43,18 @@ class Upstream:
             self._shared = AsyncClient(self.target, api_key="", retry=self.retry,
                                        timeout_s=self.timeout_s)
         return _CallerClient(self._shared, api_key)
+
+    async def serving(self, timeout_s: float = 2.0) -> bool:
+        """Whether the gateway's gRPC health service reports SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        channel = self.client("").channel
+        try:
+            resp = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
         if self._shared is not None:

@@ -1,7 +1,8 @@
 """Workers-AI-style route: POST /ai/run/{model} (the model may hold slashes: `@cf/org/name`).
 
-Answers in Workers AI's envelope; with `"stream": true`, server-sent events of
-`{"response": "<text>"}`, then one with `usage`, then `data: [DONE]`.
+`prompt` is rendered through the model's chat template as one user turn unless `raw: true`
+(Workers AI's semantics). Answers in Workers AI's envelope; with `"stream": true`, server-sent
+events of `{"response": "<text>"}`, then one with `usage`, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ def envelope(result: dict[str, Any]) -> dict[str, Any]:
 @router.post("/ai/run/{model:path}", responses={**SSE_OK, **WORKERS_AI_ERRORS})
 async def run_model(request: Request, model: Text, body: WorkersAIRun) -> Response:
     upstream = request.app.state.upstream
-    if isinstance(body, WorkersAIPrompt):
+    if isinstance(body, WorkersAIPrompt) and body.raw:
         stream = open_stream(request, upstream, model=model, prompt=body.prompt,
                              sampling=body.sampling())
+    elif isinstance(body, WorkersAIPrompt):  # Workers AI applies the chat template to `prompt`
+        stream = open_stream(request, upstream, model=model, sampling=body.sampling(),
+                             messages=[{"role": "user", "content": body.prompt}])
     else:
         stream = open_stream(request, upstream, model=model, sampling=body.sampling(),
                              messages=[m.as_dict() for m in body.messages])

@@ -49,7 +49,8 @@ def plan_for_engine(model_config: ModelConfig, dtype: str, kv_cache_dtype: str,
     config = PlanConfig(weights=dtype if weights is None else weights.name, dtype=dtype,
                         kv_cache_dtype=canonical_name(kv_cache_dtype),
                         kv_cache_bytes=kv_cache_bytes, page_size=page_size, **extra)
-    return make_plan(parse_config(model_config.to_hf_config()), config)
+    # NOTE: the engine serves no multi-token-prediction layers, so the plan counts none.
+    return make_plan(parse_config(model_config.to_hf_config(), mtp_layers=0), config)
 
 
 def linear_bytes(plan: Plan) -> int:

@@ -7,10 +7,17 @@ on CPU; GPU kernels index pages directly and do not care.
 FP8 (e4m3) pages hold the raw bytes as uint8 (index_copy_ and index_select work on them on
 every device) plus one bf16 scale per (token, KV head) in a parallel [kv_heads, pages,
 page_size] tensor: the scale lives beside its page, so a page is moved, verified or freed as
-one unit (see kernels/fp8.py for why per token per head). FP8 pages of a power-of-two
+one unit (see kernels/fp8.py for why per token per head). FP8 K/V pages of a power-of-two
 head_dim hold the Walsh-Hadamard rotation of each K and V vector (QuaRot's online Hadamard,
 `kernels/hadamard.py`): the same bytes, ~27% less KL divergence than the unrotated format
-on held-out text (ops/bench/RESULTS.md, issue 17); the attention kernels undo it.
+on held-out text (ops/bench/RESULTS.md, issue 17); the attention kernels undo it. MLA latent
+pages are never rotated.
+
+MLA models (DeepSeek-V3) cache one latent vector per token and layer (kv_lora_rank normalised
+latent, then the roped qk_rope_head_dim key part) instead of K and V per head: the same layout
+with one "head" and no V tensor, [1, num_pages, page_size, latent_dim], the layout FlashMLA-style
+GPU kernels read (values are the latent's first kv_lora_rank elements). FP8 pages, scales (one
+per token), tags and the prefix cache apply to it unchanged.
 """
 
 from __future__ import annotations
@@ -36,12 +43,15 @@ class KVCacheSpec:
     head_dim: int
     page_size: int
     format: KVFormat
+    latent: bool = False  # MLA: one latent vector per token (num_kv_heads 1), no V
 
     @classmethod
     def for_model(cls, config: ModelConfig, page_size: int,
                   fmt: KVFormat | torch.dtype | str) -> KVCacheSpec:
         if not isinstance(fmt, KVFormat):
             fmt = KVFormat.parse(canonical_name(str(fmt)))
+        if config.kv_latent_dim is not None:
+            return cls(config.num_hidden_layers, 1, config.kv_latent_dim, page_size, fmt, True)
         return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                    page_size, fmt)
 
@@ -60,12 +70,15 @@ class KVCacheSpec:
 
     @property
     def hadamard(self) -> bool:
-        """Whether pages hold Hadamard-rotated K and V (fp8 with a power-of-two head_dim)."""
-        return self.is_fp8 and kv_rotation_applies(self.head_dim)
+        """Whether pages hold Hadamard-rotated K and V (fp8 K/V pages, not MLA latent ones,
+        with a power-of-two head_dim)."""
+        return self.is_fp8 and not self.latent and kv_rotation_applies(self.head_dim)
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in every layer, scales included."""
+        """K and V (or the MLA latent) of one token in every layer, scales included."""
+        if self.latent:
+            return self.num_layers * self.format.latent_bytes_per_token_layer(self.head_dim)
         per_layer = self.format.gqa_bytes_per_token_layer(self.num_kv_heads, self.head_dim)
         return self.num_layers * per_layer
 
@@ -81,8 +94,8 @@ class LayerKV(NamedTuple):
     """One layer's view of the cache. Scales are None unless the pages are fp8; `hadamard`
     says the pages hold rotated vectors (pass it to the attention and store kernels)."""
 
-    k: torch.Tensor  # [kv_heads, pages, page_size, head_dim]
-    v: torch.Tensor
+    k: torch.Tensor  # [kv_heads, pages, page_size, head_dim]; MLA: [1, pages, page_size, latent]
+    v: torch.Tensor | None  # None for MLA latent pages
     k_scale: torch.Tensor | None  # [kv_heads, pages, page_size] bf16
     v_scale: torch.Tensor | None
     hadamard: bool = False
@@ -94,12 +107,15 @@ class KVCache:
         self.num_pages = num_pages
         shape = (spec.num_layers, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
-        self.v = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+        self.v: torch.Tensor | None = None
+        if not spec.latent:
+            self.v = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if spec.is_fp8:
             self.k_scale = torch.zeros(shape[:-1], dtype=torch.bfloat16, device=device)
-            self.v_scale = torch.zeros(shape[:-1], dtype=torch.bfloat16, device=device)
+            if not spec.latent:
+                self.v_scale = torch.zeros(shape[:-1], dtype=torch.bfloat16, device=device)
 
     @property
     def num_bytes(self) -> int:
@@ -107,7 +123,8 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def layer(self, index: int) -> LayerKV:
-        if self.k_scale is None or self.v_scale is None:
-            return LayerKV(self.k[index], self.v[index], None, None)
-        return LayerKV(self.k[index], self.v[index], self.k_scale[index], self.v_scale[index],
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return LayerKV(self.k[index], pick(self.v), pick(self.k_scale), pick(self.v_scale),
                        self.spec.hadamard)

@@ -11,6 +11,10 @@ from runtime.errors import ModelLoadError
 
 _REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "runtime.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "runtime.models.mixtral:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "runtime.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Glm4MoeForCausalLM": "runtime.models.glm4_moe:Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM": "runtime.models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 

@@ -16,6 +16,7 @@ from runtime.config import ModelConfig
 from runtime.errors import ModelLoadError
 from runtime.formats import WeightFormat
 from runtime.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
+from runtime.models.weights import check_state
 
 # checkpoint suffix -> (our parameter suffix, shard index in the fused tensor)
 STACKED_PARAMS = {
@@ -133,16 +134,7 @@ class LlamaForCausalLM(nn.Module):
             if "model.embed_tokens.weight" in state:
                 state["lm_head.weight"] = state["model.embed_tokens.weight"]
         expected = {k: v.shape for k, v in self.state_dict().items() if not k.startswith(built)}
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing tensor {missing[0]} "
-                                 f"({len(missing)} missing in all)", tensor=missing[0])
-        for key, tensor in state.items():
-            if key not in expected:
-                raise ModelLoadError(f"checkpoint has unexpected tensor {key}", tensor=key)
-            if tuple(tensor.shape) != tuple(expected[key]):
-                raise ModelLoadError(f"tensor {key} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(expected[key])}", tensor=key)
+        check_state(state, expected)
         self.load_state_dict(state, assign=True, strict=not built)
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

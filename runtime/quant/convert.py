@@ -99,12 +99,12 @@ def convert_model(model: nn.Module, fmt: WeightFormat, partial_groups: bool = Tr
     intact). With `partial_groups`, an int4 input dimension that the group size does not divide
     gets a shorter last group (as `WeightFormat.matrix_bytes` counts it); without, it is refused.
     """
-    check_architecture(getattr(getattr(model, "config", None), "architecture", "?"))
     layers = dict(linear_layers(model))
     if fmt.name in FLOAT_DTYPES and all(
             isinstance(m, nn.Linear) and m.weight.dtype == FLOAT_DTYPES[fmt.name]
             for m in layers.values()):
-        return model
+        return model  # nothing to convert, whatever the architecture
+    check_architecture(getattr(getattr(model, "config", None), "architecture", "?"))
     for name, module in layers.items():
         if not isinstance(module, nn.Linear):
             raise InvalidArgument(f"{name} is already {type(module).__name__}: convert the "

@@ -14,6 +14,7 @@ import pytest
 from gateway.rest import GatewayView, RestServer
 from gateway.runner import GatewayRunner
 from tests.gateway.conftest import KEYS, api_keys, pool_config
+from tests.rest.browser import Browser, find_or_install_chromium
 
 MODEL = "@cf/tessera/smollm2-135m"
 BODY_LIMIT = 64 << 10
@@ -102,3 +103,14 @@ def shim() -> Iterator[Shim]:
     yield Shim(runner, server)
     runner.call(server.stop())
     runner.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Headless Debian chromium, one fresh profile per test module."""
+    binary = find_or_install_chromium()
+    if binary is None:
+        pytest.skip("Debian's chromium is not installed and `apt-get install chromium` failed")
+    b = Browser(binary)
+    yield b
+    b.close()

@@ -50,8 +50,8 @@ def test_unknown_field_is_400_as_documented(shim) -> None:
 
 
 def test_unimplemented_openai_option_is_refused_not_ignored(shim) -> None:
-    body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2}
-    assert openai_error(post(shim, CHAT, json=body), 400)["param"] == "n"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"1": 5}}
+    assert openai_error(post(shim, CHAT, json=body), 400)["param"] == "logit_bias"
 
 
 def test_value_that_does_not_fit_the_wire_is_400(shim) -> None:

@@ -5,13 +5,11 @@ streams into it. The screenshot is kept as a test artifact."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.rest.browser import Browser, find_or_install_chromium
 from tests.rest.conftest import KEYS, MODEL, OPERATOR_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -40,16 +38,6 @@ def test_status_without_the_operator_key_is_401_and_shows_no_pid(shim) -> None:
         r = httpx.get(f"{shim.url}/status", headers=headers, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["reason"] == "UNAUTHENTICATED"
         assert "pid" not in r.text and not any(pid in r.text for pid in pids)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    binary = find_or_install_chromium()
-    if binary is None:
-        pytest.skip("Debian's chromium is not installed and `apt-get install chromium` failed")
-    b = Browser(binary)
-    yield b
-    b.close()
 
 
 def test_status_page_shows_live_numbers_and_streams_a_test_prompt(shim, browser) -> None:

@@ -95,3 +95,17 @@ def test_curl_style_body_without_json_content_type_is_read_as_json(shim) -> None
                    headers={**shim.headers(),
                             "content-type": "application/x-www-form-urlencoded"}, timeout=60)
     assert r.status_code == 200 and r.json()["success"] is True
+
+
+def test_prompt_gets_the_chat_template_unless_raw(shim) -> None:
+    base = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    templated = run(shim, {"prompt": "Say hi.", **base}).json()["result"]
+    as_messages = run(shim, {"messages": [{"role": "user", "content": "Say hi."}],
+                             **base}).json()["result"]
+    raw = run(shim, {"prompt": "Say hi.", "raw": True, **base}).json()["result"]
+    assert templated["response"] == as_messages["response"]
+    assert templated["usage"]["prompt_tokens"] == as_messages["usage"]["prompt_tokens"]
+    assert raw["usage"]["prompt_tokens"] < templated["usage"]["prompt_tokens"]
+    completion = httpx.post(f"{shim.url}/v1/completions", headers=shim.headers(), timeout=60,
+                            json={"model": MODEL, "prompt": "Say hi.", **base}).json()
+    assert raw["response"] == completion["choices"][0]["text"]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tessera/v1/gateway.proto\x12\ntessera.v1\"\xb5\x03\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\x97\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\x12\x1c\n\x14split_special_tokens\x18\x05 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"v\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\"t\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.tessera.v1.Usage\x12(\n\x06served\x18\x04 \x01(\x0b\x32\x18.tessera.v1.ServedConfig\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"0\n\x0bPhaseFormat\x12\x0f\n\x07weights\x18\x01 \x01(\t\x12\x10\n\x08kv_cache\x18\x02 \x01(\t\"\x95\x01\n\x0cServedConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12(\n\x07prefill\x18\x03 \x01(\x0b\x32\x17.tessera.v1.PhaseFormat\x12\'\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x17.tessera.v1.PhaseFormat\x12\x11\n\tworker_id\x18\x05 \x01(\t\"\x7f\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.tessera.v1.Usage\x12(\n\x06served\x18\x04 \x01(\x0b\x32\x18.tessera.v1.ServedConfig\"b\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.tessera.v1.ChunkH\x00\x12\"\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x11.tessera.v1.FinalH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"W\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rready_workers\x18\x04 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.tessera.v1.ModelInfo2\xe0\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x17.tessera.v1.ChatRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.tessera.v1.ListModelsRequest\x1a\x1e.tessera.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tessera/v1/gateway.proto\x12\ntessera.v1\"\x97\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x0e\n\x01n\x18\x1e \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x1f \x01(\rH\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18  \x01(\rH\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\x97\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\x12\x1c\n\x14split_special_tokens\x18\x05 \x01(\x08\"P\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x1e \x01(\t\x12\x0c\n\x04name\x18\x1f \x01(\t\"v\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\"\xdb\x01\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.tessera.v1.Usage\x12(\n\x06served\x18\x04 \x01(\x0b\x32\x18.tessera.v1.ServedConfig\x12\r\n\x05index\x18\x1e \x01(\r\x12*\n\x08logprobs\x18\x1f \x03(\x0b\x32\x18.tessera.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18  \x01(\t\x12\x13\n\x0bstop_reason\x18! \x01(\t\"M\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\"[\n\x0cTokenLogprob\x12&\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x16.tessera.v1.TopLogprob\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.tessera.v1.TopLogprob\"{\n\x0c\x43\x61ndidateEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x13\n\x0bstop_reason\x18\x03 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"0\n\x0bPhaseFormat\x12\x0f\n\x07weights\x18\x01 \x01(\t\x12\x10\n\x08kv_cache\x18\x02 \x01(\t\"\x95\x01\n\x0cServedConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12(\n\x07prefill\x18\x03 \x01(\x0b\x32\x17.tessera.v1.PhaseFormat\x12\'\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x17.tessera.v1.PhaseFormat\x12\x11\n\tworker_id\x18\x05 \x01(\t\"\xad\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.tessera.v1.Usage\x12(\n\x06served\x18\x04 \x01(\x0b\x32\x18.tessera.v1.ServedConfig\x12,\n\ncandidates\x18\x1e \x03(\x0b\x32\x18.tessera.v1.CandidateEnd\"b\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.tessera.v1.ChunkH\x00\x12\"\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x11.tessera.v1.FinalH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"W\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rready_workers\x18\x04 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.tessera.v1.ModelInfo2\xe0\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x17.tessera.v1.ChatRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.tessera.v1.ListModelsRequest\x1a\x1e.tessera.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.v1.gateway_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS']._serialized_start=41
-  _globals['_SAMPLINGOPTIONS']._serialized_end=478
-  _globals['_GENERATEREQUEST']._serialized_start=481
-  _globals['_GENERATEREQUEST']._serialized_end=632
-  _globals['_CHATMESSAGE']._serialized_start=634
-  _globals['_CHATMESSAGE']._serialized_end=678
-  _globals['_CHATREQUEST']._serialized_start=680
-  _globals['_CHATREQUEST']._serialized_end=798
-  _globals['_CHUNK']._serialized_start=800
-  _globals['_CHUNK']._serialized_end=916
-  _globals['_USAGE']._serialized_start=918
-  _globals['_USAGE']._serialized_end=998
-  _globals['_PHASEFORMAT']._serialized_start=1000
-  _globals['_PHASEFORMAT']._serialized_end=1048
-  _globals['_SERVEDCONFIG']._serialized_start=1051
-  _globals['_SERVEDCONFIG']._serialized_end=1200
-  _globals['_FINAL']._serialized_start=1202
-  _globals['_FINAL']._serialized_end=1329
-  _globals['_GENERATERESPONSE']._serialized_start=1331
-  _globals['_GENERATERESPONSE']._serialized_end=1429
-  _globals['_LISTMODELSREQUEST']._serialized_start=1431
-  _globals['_LISTMODELSREQUEST']._serialized_end=1450
-  _globals['_MODELINFO']._serialized_start=1452
-  _globals['_MODELINFO']._serialized_end=1539
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1541
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1600
-  _globals['_GATEWAY']._serialized_start=1603
-  _globals['_GATEWAY']._serialized_end=1827
+  _globals['_SAMPLINGOPTIONS']._serialized_end=576
+  _globals['_GENERATEREQUEST']._serialized_start=579
+  _globals['_GENERATEREQUEST']._serialized_end=730
+  _globals['_CHATMESSAGE']._serialized_start=732
+  _globals['_CHATMESSAGE']._serialized_end=812
+  _globals['_CHATREQUEST']._serialized_start=814
+  _globals['_CHATREQUEST']._serialized_end=932
+  _globals['_CHUNK']._serialized_start=935
+  _globals['_CHUNK']._serialized_end=1154
+  _globals['_TOPLOGPROB']._serialized_start=1156
+  _globals['_TOPLOGPROB']._serialized_end=1233
+  _globals['_TOKENLOGPROB']._serialized_start=1235
+  _globals['_TOKENLOGPROB']._serialized_end=1326
+  _globals['_CANDIDATEEND']._serialized_start=1328
+  _globals['_CANDIDATEEND']._serialized_end=1451
+  _globals['_USAGE']._serialized_start=1453
+  _globals['_USAGE']._serialized_end=1533
+  _globals['_PHASEFORMAT']._serialized_start=1535
+  _globals['_PHASEFORMAT']._serialized_end=1583
+  _globals['_SERVEDCONFIG']._serialized_start=1586
+  _globals['_SERVEDCONFIG']._serialized_end=1735
+  _globals['_FINAL']._serialized_start=1738
+  _globals['_FINAL']._serialized_end=1911
+  _globals['_GENERATERESPONSE']._serialized_start=1913
+  _globals['_GENERATERESPONSE']._serialized_end=2011
+  _globals['_LISTMODELSREQUEST']._serialized_start=2013
+  _globals['_LISTMODELSREQUEST']._serialized_end=2032
+  _globals['_MODELINFO']._serialized_start=2034
+  _globals['_MODELINFO']._serialized_end=2121
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2123
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2182
+  _globals['_GATEWAY']._serialized_start=2185
+  _globals['_GATEWAY']._serialized_end=2409
 # @@protoc_insertion_point(module_scope)
