@@ -7,8 +7,9 @@ on CPU; GPU kernels index pages directly and do not care.
 FP8 (e4m3) pages hold the raw bytes as uint8 (index_copy_ and index_select work on them on
 every device) plus one bf16 scale per (token, KV head) in a parallel [kv_heads, pages,
 page_size] tensor: the scale lives beside its page, so a page is moved, verified or freed as
-one unit (see kernels/fp8.py for why per token per head). FP8 K/V pages of a power-of-two
-head_dim hold the Walsh-Hadamard rotation of each K and V vector (QuaRot's online Hadamard,
+one unit (see kernels/fp8.py for why per token per head). With `ROTATE_FP8_KV` (off, see
+there), FP8 K/V pages of a power-of-two head_dim hold the Walsh-Hadamard rotation of each
+K and V vector (QuaRot's online Hadamard,
 `kernels/hadamard.py`): the same bytes, ~27% less KL divergence than the unrotated format
 on held-out text (ops/bench/RESULTS.md, issue 17); the attention kernels undo it. MLA latent
 pages are never rotated.
@@ -30,6 +31,13 @@ import torch
 from kernels.hadamard import kv_rotation_applies
 from runtime.config import ModelConfig
 from runtime.formats import KVFormat, canonical_name
+
+# NOTE: off until a known bug is fixed: with rotated pages, a prompt served from a prefix-cache
+# hit gets logits up to 0.38 away from the same prompt prefilled whole
+# (test_prompt_logits_last_row_is_what_generation_samples_from in
+# tests/runtime/test_kv_cache_dtype.py fails with it on); without a prefix hit both agree
+# to 2e-5. The kernels are tested on their own.
+ROTATE_FP8_KV = False
 
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.uint8}
@@ -72,7 +80,8 @@ class KVCacheSpec:
     def hadamard(self) -> bool:
         """Whether pages hold Hadamard-rotated K and V (fp8 K/V pages, not MLA latent ones,
         with a power-of-two head_dim)."""
-        return self.is_fp8 and not self.latent and kv_rotation_applies(self.head_dim)
+        return (ROTATE_FP8_KV and self.is_fp8 and not self.latent
+                and kv_rotation_applies(self.head_dim))
 
     @property
     def bytes_per_token(self) -> int:
