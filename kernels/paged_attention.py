@@ -6,6 +6,9 @@ Pages may be fp32/bf16/fp16, or fp8 e4m3 bytes (uint8) with one scale per (token
 decode folds those scales into scores and probabilities, prefill dequantizes the context.
 On CPU, decode runs the C++ op (`kernels/cpu/paged_decode.cpp`), which reads pages in their
 storage format row by row instead of gathering a float copy; the torch twin is its oracle.
+With `hadamard` (fp8 pages written by `store_kv(..., hadamard=True)`), K and V are stored
+rotated: q is rotated the same way (q.k unchanged) and the output rotated back, per head
+(`kernels/hadamard.py`, QuaRot's online Hadamard).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_ops import native
+from kernels.hadamard import fwht
 from kernels.kv_fp8 import gather_e4m3_rows
 
 
@@ -49,9 +53,13 @@ def _gather_scales(scale: torch.Tensor, page_ids: torch.Tensor,
 def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                k_scale: torch.Tensor | None = None,
-                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                               v_scale: torch.Tensor | None = None,
+                               hadamard: bool = False) -> torch.Tensor:
     # q: [batch, heads, dim]; page_table: [batch, max_pages]; context_lens: [batch] long
     batch, num_heads, dim = q.shape
+    rotated = hadamard and k_cache.dtype == torch.uint8
+    if rotated:
+        q = fwht(q).to(q.dtype)
     kv_heads, _, page_size, _ = k_cache.shape
     group = num_heads // kv_heads
     positions = torch.arange(page_table.shape[1] * page_size, device=q.device)
@@ -70,6 +78,8 @@ def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if v_scale is not None:
         probs.mul_(_gather_scales(v_scale, page_table, rows).unsqueeze(2))
     out = torch.matmul(probs.to(v.dtype), v)  # [kv_heads, batch, group, dim]
+    if rotated:
+        out = fwht(out).to(q.dtype)
     return out.transpose(0, 1).reshape(batch, num_heads * dim)
 
 
@@ -77,10 +87,14 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 page_ids: torch.Tensor, context_len: int,
                                 mask: torch.Tensor | None, scale: float,
                                 k_scale: torch.Tensor | None = None,
-                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                                v_scale: torch.Tensor | None = None,
+                                hadamard: bool = False) -> torch.Tensor:
     # q: [chunk, heads, dim] for one sequence; keys are its first context_len cached tokens.
     # mask: [chunk, context_len] bool (True = attend) or None for plain causal from position 0.
     chunk, num_heads, dim = q.shape
+    rotated = hadamard and k_cache.dtype == torch.uint8
+    if rotated:
+        q = fwht(q).to(q.dtype)
     kv_heads = k_cache.shape[0]
     rows = _page_rows(k_cache, page_ids)
     k = _gather_pages(k_cache, page_ids, rows, q.dtype)[:, :context_len]  # [kv_heads, L, dim]
@@ -93,8 +107,10 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         qh, k.unsqueeze(0), v.unsqueeze(0),
         attn_mask=None if mask is None else mask[None, None],
         is_causal=mask is None, scale=scale, enable_gqa=kv_heads != num_heads,
-    )
-    return out[0].transpose(0, 1).reshape(chunk, num_heads * dim)
+    )[0]  # [heads, chunk, dim]
+    if rotated:
+        out = fwht(out).to(q.dtype)
+    return out.transpose(0, 1).reshape(chunk, num_heads * dim)
 
 
 def decode_pads_to_longest(device: torch.device) -> bool:
@@ -106,18 +122,20 @@ def decode_pads_to_longest(device: torch.device) -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           hadamard: bool = False) -> torch.Tensor:
     ops = native() if q.device.type == "cpu" and q.dtype == torch.float32 else None
     if ops is None:
         return ref_paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale,
-                                          k_scale, v_scale)
+                                          k_scale, v_scale, hadamard)
     return ops.paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale,
-                                      k_scale, v_scale)
+                                      k_scale, v_scale, hadamard)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             page_ids: torch.Tensor, context_len: int, mask: torch.Tensor | None,
                             scale: float, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None,
+                            hadamard: bool = False) -> torch.Tensor:
     return ref_paged_prefill_attention(q, k_cache, v_cache, page_ids, context_len, mask, scale,
-                                       k_scale, v_scale)
+                                       k_scale, v_scale, hadamard)

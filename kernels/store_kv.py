@@ -1,7 +1,8 @@
 """Write new tokens' K and V into their page slots, in place (quantizing for fp8 pages).
 
 On CPU the C++ op (`kernels/cpu/store_kv.cpp`) does each of K and V in one call, bit for bit
-the torch twin's result.
+the torch twin's result. With `hadamard`, fp8 pages get the rows' Walsh-Hadamard rotation
+(`kernels/hadamard.py`), quantized; other page formats ignore it.
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ import torch
 
 from kernels.cpu_ops import native
 from kernels.fp8 import quantize_fp8_kv
+from kernels.hadamard import fwht
 
 
 def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
-           slot_mapping: torch.Tensor) -> None:
+           slot_mapping: torch.Tensor, hadamard: bool) -> None:
     heads, pages, page_size, dim = cache.shape
     if cache.dtype == torch.uint8:
         assert scale is not None and scale.shape == (heads, pages, page_size), "fp8 needs scales"
-        q, s = quantize_fp8_kv(x)  # [tokens, heads, dim] e4m3, [tokens, heads] bf16
+        # q: [tokens, heads, dim] e4m3; s: [tokens, heads] bf16
+        q, s = quantize_fp8_kv(fwht(x) if hadamard else x)
         x = q.view(torch.uint8)
         scale.view(heads, pages * page_size).index_copy_(1, slot_mapping, s.t().to(scale.dtype))
     cache.view(heads, pages * page_size, dim).index_copy_(1, slot_mapping,
@@ -26,24 +29,24 @@ def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
 
 def ref_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> None:
+                 v_scale: torch.Tensor | None = None, hadamard: bool = False) -> None:
     # k, v: [tokens, kv_heads, dim]; caches: [kv_heads, pages, page_size, dim]
     heads, _, _, dim = k_cache.shape
     assert k.shape == v.shape and k.shape[1:] == (heads, dim), (k.shape, k_cache.shape)
     assert slot_mapping.shape == (k.shape[0],)
-    _store(k, k_cache, k_scale, slot_mapping)
-    _store(v, v_cache, v_scale, slot_mapping)
+    _store(k, k_cache, k_scale, slot_mapping, hadamard)
+    _store(v, v_cache, v_scale, slot_mapping, hadamard)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
+             v_scale: torch.Tensor | None = None, hadamard: bool = False) -> None:
     ops = native() if k.device.type == "cpu" and k.dtype == torch.float32 else None
     if ops is None:
-        ref_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        ref_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, hadamard)
         return
-    ops.store_kv_rows(k, k_cache, slot_mapping, k_scale)
-    ops.store_kv_rows(v, v_cache, slot_mapping, v_scale)
+    ops.store_kv_rows(k, k_cache, slot_mapping, k_scale, hadamard)
+    ops.store_kv_rows(v, v_cache, slot_mapping, v_scale, hadamard)
 
 
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -54,6 +57,6 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
                                                                               cache.shape)
     ops = native() if latent.device.type == "cpu" and latent.dtype == torch.float32 else None
     if ops is None:
-        _store(latent, cache, scale, slot_mapping)
+        _store(latent, cache, scale, slot_mapping, False)
     else:
         ops.store_kv_rows(latent, cache, slot_mapping, scale)

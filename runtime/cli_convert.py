@@ -43,7 +43,7 @@ def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightForma
     """Write `src` to the directory `dst` in `fmt`; returns (source bytes, destination bytes).
     Unquantized tensors keep a safetensors source's dtype unless `dtype` is given; a GGUF's come
     dequantized to float32 (never its storage type) and are written as bfloat16 by default.
-    `method="gptq"` (int4 only) first runs `calibration_windows` windows of 256 tokens of
+    `method="gptq"` (int4 or fp8) first runs `calibration_windows` windows of 256 tokens of
     standard-library docstrings through the model to weigh each projection's rounding, with
     columns in act order unless `act_order=False` (on the default model it cut the KL to the
     unquantized model from 0.26 to 0.15, ops/bench/RESULTS.md)."""
@@ -56,10 +56,10 @@ def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightForma
         raise InvalidArgument(f"method must be one of {METHODS}, got {method!r}", field="method")
     if act_order is not None and method != "gptq":
         raise InvalidArgument("act order is a gptq option", field="act_order")
+    if act_order is False and fmt.name == "fp8":
+        raise InvalidArgument("fp8 gptq always rounds in act order (its scales are fixed up "
+                              "front, so the order costs nothing)", field="act_order")
     act_order = method == "gptq" and act_order is not False
-    if method == "gptq" and fmt.name != "int4":
-        raise InvalidArgument("gptq applies to int4 weights; fp8 is per-channel round-to-nearest",
-                              field="method")
     ckpt = open_checkpoint(src)
     check_architecture(ckpt.config.architecture)
     hessians = _calibrate(ckpt, calibration_windows) if method == "gptq" else {}
@@ -87,8 +87,9 @@ def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightForma
               metadata={"format": "pt"})
     config = _hf_config(ckpt)
     config["quantization_config"] = quantization_config(fmt, _collapse(not_quantized))
-    config["quantization_config"]["method"] = method
-    if method == "gptq":
+    if fmt.block is None:  # the DeepSeek-V3 block stays exactly as that format ships it
+        config["quantization_config"]["method"] = method
+    if method == "gptq" and fmt.block is None:
         config["quantization_config"].update(
             calibration=f"{calibration_windows} windows of 256 tokens of standard-library "
                         f"docstrings", act_order=act_order, static_groups=act_order)
@@ -148,8 +149,9 @@ def add_convert_parser(subparsers: Any) -> None:
     p.add_argument("src", nargs="?", default=None,
                    help="GGUF file or HF safetensors directory (default: the embedded SmolLM2)")
     p.add_argument("dst", help="new directory for the converted checkpoint")
-    p.add_argument("--weights", required=True, choices=["int4", "fp8"],
-                   help="format of the projections")
+    p.add_argument("--weights", required=True, choices=["int4", "fp8", "fp8-block"],
+                   help="format of the projections (fp8: a scale per output channel; "
+                        "fp8-block: DeepSeek-V3's 128x128 block scales, weight_scale_inv)")
     p.add_argument("--group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES),
                    help="int4 group size")
     p.add_argument("--asymmetric", action="store_true", help="int4 with a zero point per group")
@@ -157,8 +159,8 @@ def add_convert_parser(subparsers: Any) -> None:
                    help="dtype of unquantized tensors (default: as in a safetensors source, "
                         "bfloat16 from GGUF)")
     p.add_argument("--method", default="rtn", choices=list(METHODS),
-                   help="int4 rounding: rtn (round to nearest, per-group scale search) or gptq "
-                        "(calibrated on standard-library docstrings)")
+                   help="rounding: rtn (round to nearest; int4 with a per-group scale search) or "
+                        "gptq (calibrated on standard-library docstrings)")
     p.add_argument("--calibration-windows", type=int, default=64,
                    help="gptq: windows of 256 tokens to calibrate on")
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,

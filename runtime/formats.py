@@ -5,7 +5,9 @@ matrix or one token of KV costs in each format, scales and zero points included.
 
 Weights (a linear layer's matrix is [rows = out_features, cols = in_features]):
 - fp32 / bf16 / fp16: 4 / 2 / 2 bytes per element, nothing else.
-- fp8 (e4m3): 1 byte per element plus one float32 scale per output channel (row).
+- fp8 (e4m3): 1 byte per element plus one float32 scale per output channel (row); or, as
+  DeepSeek-V3 / Kimi-K2 ship FP8 (`fp8-block`), one float32 scale per 128x128 block, held in
+  memory as one per (row, 128-column block) so fused projections concatenate exactly.
 - int4 (group-wise along the input dim, groups of 32, 64 or 128): 0.5 byte per element plus one
   bf16 scale per group; asymmetric adds one 4-bit zero point per group (0.5 byte).
 Tensors that are never quantized (embeddings, norms, router) are stored in the model dtype.
@@ -26,6 +28,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "fp8", "int4")
 KV_FORMATS = ("fp32", "bf16", "fp16", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
+FP8_BLOCK = (128, 128)  # DeepSeek-V3's quantization_config.weight_block_size
 
 FP8_WEIGHT_SCALE_BYTES = 4  # float32, one per output channel
 INT4_SCALE_BYTES = 2  # bf16, one per group
@@ -68,24 +71,36 @@ class WeightFormat:
     name: str
     group_size: int = 128
     symmetric: bool = True
+    block: tuple[int, int] | None = None  # fp8 only: [rows, cols] of each block's scale
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:
             raise InvalidArgument(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, "
-                                  f"got {self.name!r}", field="weights")
+                                  f"or fp8-block, got {self.name!r}", field="weights")
+        if self.block is not None and (self.name != "fp8" or len(self.block) != 2
+                                       or min(self.block) < 1):
+            raise InvalidArgument(f"block scales are an fp8 option of two positive sizes, got "
+                                  f"{self.name} {self.block!r}", field="weight_block_size")
         if self.name == "int4" and self.group_size not in INT4_GROUP_SIZES:
             raise InvalidArgument(f"int4 group size must be one of {INT4_GROUP_SIZES}, "
                                   f"got {self.group_size}", field="int4_group_size")
 
     @classmethod
     def parse(cls, name: str, group_size: int = 128, symmetric: bool = True) -> WeightFormat:
+        """A format name: fp32, bf16, fp16, fp8 (per-channel scales), fp8-block (128x128 block
+        scales), int4 (with `group_size` and `symmetric`)."""
         name = canonical_name(name)
         if name != "int4":  # group and symmetry mean nothing outside int4: one value per format
             group_size, symmetric = 128, True
+        if name == "fp8-block":
+            return cls("fp8", block=FP8_BLOCK)
         return cls(name, group_size, symmetric)
 
     @property
     def label(self) -> str:
+        if self.block is not None:
+            rows, cols = self.block
+            return "fp8-block" if self.block == FP8_BLOCK else f"fp8-block{rows}x{cols}"
         if self.name != "int4":
             return self.name
         return f"int4-g{self.group_size}{'' if self.symmetric else '-asym'}"
@@ -95,6 +110,9 @@ class WeightFormat:
         elements = rows * cols
         if self.name in ELEMENT_BYTES and self.name != "fp8":
             return TensorBytes(data=elements * ELEMENT_BYTES[self.name])
+        if self.name == "fp8" and self.block is not None:  # resident: one per row and block
+            col_blocks = -(-cols // self.block[1])
+            return TensorBytes(data=elements, scales=rows * col_blocks * FP8_WEIGHT_SCALE_BYTES)
         if self.name == "fp8":
             return TensorBytes(data=elements, scales=rows * FP8_WEIGHT_SCALE_BYTES)
         groups = rows * -(-cols // self.group_size)

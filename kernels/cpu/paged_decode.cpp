@@ -2,6 +2,8 @@
 // storage format (fp32 / bf16 / fp16 / e4m3 bytes with a bf16 scale per token and head) and
 // decoded a row at a time into registers-sized buffers, never into a gathered copy.
 // One work item per (sequence, KV head): its query heads (GQA group) share every K/V row read.
+// Pages stored Hadamard-rotated (see kernels/hadamard.py) are read with q rotated the same way
+// and the output rotated back: two dim-sized transforms per query head, none per K/V row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -19,14 +21,20 @@ template <typename T, int kDim>
 void decode_attention(const float* q, const T* k, const T* v, const c10::BFloat16* k_scale,
                       const c10::BFloat16* v_scale, const int64_t* table, const int64_t* lens,
                       float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pages,
-                      int64_t page_size, int64_t run_dim, int64_t max_pages, float scale) {
+                      int64_t page_size, int64_t run_dim, int64_t max_pages, float scale,
+                      bool hadamard) {
   const int64_t dim = kDim > 0 ? kDim : run_dim;
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(dim), acc(group * dim), probs;
+    std::vector<float> row(dim), acc(group * dim), probs, q_rot(hadamard ? group * dim : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];
       const float* qg = q + (b * heads + h * group) * dim;
+      if (hadamard) {
+        std::copy(qg, qg + group * dim, q_rot.begin());
+        for (int64_t g = 0; g < group; ++g) fwht_inplace(q_rot.data() + g * dim, dim);
+        qg = q_rot.data();
+      }
       const int64_t* pt = table + b * max_pages;
       probs.resize(group * len);
       float* pr = probs.data();
@@ -46,6 +54,8 @@ void decode_attention(const float* q, const T* k, const T* v, const c10::BFloat1
         const float vs = v_scale ? bf16_to_float(v_scale[slot]) : 1.0f;
         for (int64_t g = 0; g < group; ++g) axpy(pr[g * len + t] * vs, rw, ac + g * dim, dim);
       }
+      if (hadamard)
+        for (int64_t g = 0; g < group; ++g) fwht_inplace(ac + g * dim, dim);
       std::copy(acc.begin(), acc.end(), out + (b * heads + h * group) * dim);
     }
   });
@@ -55,7 +65,7 @@ template <typename T>
 void dispatch_dim(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const c10::BFloat16* ks, const c10::BFloat16* vs, const int64_t* table,
                   const int64_t* lens, float* out, int64_t batch, int64_t heads, float scale,
-                  int64_t max_pages) {
+                  int64_t max_pages, bool hadamard) {
   const int64_t kv_heads = k_cache.size(0), pages = k_cache.size(1);
   const int64_t page_size = k_cache.size(2), dim = k_cache.size(3);
   const T* k = k_cache.data_ptr<T>();
@@ -63,7 +73,7 @@ void dispatch_dim(const float* q, const at::Tensor& k_cache, const at::Tensor& v
   auto run = [&](auto fixed) {
     decode_attention<T, decltype(fixed)::value>(q, k, v, ks, vs, table, lens, out, batch, heads,
                                                 kv_heads, pages, page_size, dim, max_pages,
-                                                scale);
+                                                scale, hadamard);
   };
   if (dim == 64) run(std::integral_constant<int, 64>());
   else if (dim == 128) run(std::integral_constant<int, 128>());
@@ -85,7 +95,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
                                      at::Tensor v_cache, at::Tensor page_table,
                                      at::Tensor context_lens, double scale,
                                      c10::optional<at::Tensor> k_scale,
-                                     c10::optional<at::Tensor> v_scale) {
+                                     c10::optional<at::Tensor> v_scale, bool hadamard) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [batch, heads, dim] float32");
   check_cache(k_cache, k_cache, "k_cache");
   check_cache(v_cache, k_cache, "v_cache");
@@ -108,6 +118,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
                   "page id out of range");
   }
   const bool fp8 = k_cache.scalar_type() == at::kByte;
+  hadamard = hadamard && fp8;  // only e4m3 pages are stored rotated
+  TORCH_CHECK(!hadamard || (dim >= 2 && (dim & (dim - 1)) == 0),
+              "the Hadamard rotation needs a power-of-two head_dim");
   TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
               "e4m3 pages need k_scale and v_scale, other formats none");
   const c10::BFloat16* ks = nullptr;
@@ -130,18 +143,20 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   float* op = out.data_ptr<float>();
   switch (k_cache.scalar_type()) {
     case at::kByte:
-      dispatch_dim<uint8_t>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages);
+      dispatch_dim<uint8_t>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages,
+                            hadamard);
       break;
     case at::kBFloat16:
       dispatch_dim<c10::BFloat16>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s,
-                                  max_pages);
+                                  max_pages, false);
       break;
     case at::kHalf:
       dispatch_dim<c10::Half>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s,
-                              max_pages);
+                              max_pages, false);
       break;
     case at::kFloat:
-      dispatch_dim<float>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages);
+      dispatch_dim<float>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages,
+                          false);
       break;
     default:
       TORCH_CHECK(false, "unsupported KV page dtype ", k_cache.scalar_type());

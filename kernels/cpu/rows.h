@@ -59,6 +59,21 @@ inline float exp_nonpositive(float x) {
   return p * bits_to_float(biased << 23);
 }
 
+// x <- x H, H the Sylvester Hadamard matrix / sqrt(n), n a power of two: log2(n) butterfly
+// stages then one multiply, in the order of `kernels.hadamard.fwht`, so results are bit for
+// bit its torch twin's (QuaRot's online Hadamard on K and V).
+inline void fwht_inplace(float* __restrict__ x, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+  for (int64_t j = 0; j < n; ++j) x[j] *= norm;
+}
+
 // Dot product with independent lane accumulators, so it vectorizes without -ffast-math.
 inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
   constexpr int kLanes = 16;

@@ -1,7 +1,8 @@
 // Write new tokens' K or V rows into their page slots in one pass: a cast for fp32 / bf16 /
 // fp16 pages, and for e4m3 pages the same quantization as `kernels.fp8.quantize_fp8_kv`
 // (bf16 scale = amax / 448 rounded to nearest even, floored at 1e-12; NaN -> 0, +-inf -> +-896
-// before dividing by the rounded scale; clamp to +-448; round to nearest even), bit for bit.
+// before dividing by the rounded scale; clamp to +-448; round to nearest even), bit for bit,
+// optionally after the row's Walsh-Hadamard rotation (`fwht_inplace`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -10,6 +11,9 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <vector>
+
+#include "rows.h"
 
 namespace tessera {
 namespace {
@@ -54,9 +58,9 @@ void cast_rows(const float* x, T* cache, const int64_t* slots, int64_t tokens, i
 
 // x: [tokens, kv_heads, dim] float32; cache: [kv_heads, pages, page_size, dim];
 // slots: [tokens] int64 flat slot (page * page_size + offset); scale: e4m3 pages only,
-// [kv_heads, pages, page_size] bf16.
+// [kv_heads, pages, page_size] bf16; hadamard: e4m3 rows are rotated first (dim a power of 2).
 void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
-                   c10::optional<at::Tensor> scale) {
+                   c10::optional<at::Tensor> scale, bool hadamard) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "x must be [tokens, heads, dim] float32");
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "cache must be contiguous 4-d");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
@@ -71,15 +75,24 @@ void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
   const float* xp = xc.data_ptr<float>();
   switch (cache.scalar_type()) {
     case at::kByte: {
+      TORCH_CHECK(!hadamard || (dim >= 2 && (dim & (dim - 1)) == 0),
+                  "the Hadamard rotation needs a power-of-two head_dim");
       TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kBFloat16 &&
                       scale->is_contiguous() && scale->numel() == heads * slots_per_head,
                   "e4m3 pages need a contiguous [kv_heads, pages, page_size] bf16 scale");
       uint8_t* cp = cache.data_ptr<uint8_t>();
       c10::BFloat16* scp = scale->data_ptr<c10::BFloat16>();
       at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+        std::vector<float> rotated(hadamard ? dim : 0);
         for (int64_t i = begin; i < end; ++i) {
           const int64_t t = i / heads, h = i % heads, at = h * slots_per_head + sp[t];
-          quantize_row(xp + i * dim, cp + at * dim, scp + at, dim);
+          const float* row = xp + i * dim;
+          if (hadamard) {
+            std::copy(row, row + dim, rotated.begin());
+            fwht_inplace(rotated.data(), dim);
+            row = rotated.data();
+          }
+          quantize_row(row, cp + at * dim, scp + at, dim);
         }
       });
       break;

@@ -1,6 +1,12 @@
-"""Quantized checkpoints (written by `tessera convert`): the `quantization_config` block of
-config.json, and building packed projection modules from their stored tensors as they are, never
-re-quantizing. Every disagreement between the config and a tensor is a ModelLoadError naming it.
+"""Quantized checkpoints: the `quantization_config` block of config.json, and building packed
+projection modules from their stored tensors as they are, never re-quantizing. Every
+disagreement between the config and a tensor is a ModelLoadError naming it.
+
+Two methods are read: `tessera` (written by `tessera convert`: per-channel fp8, int4) and `fp8`,
+the block-scaled FP8 that DeepSeek-V3 and Kimi-K2 ship (Hugging Face's FineGrainedFP8Config):
+`{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+"weight_block_size": [128, 128]}`, each projection an e4m3 `weight` and a float32
+`weight_scale_inv` [ceil(out/128), ceil(in/128)] (see `runtime/quant/fp8.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from runtime.errors import ModelLoadError, TesseraError
 from runtime.formats import WeightFormat
 
 QUANT_METHOD = "tessera"
+BLOCK_FP8_METHOD = "fp8"
 # checkpoint projection name -> (fused module name, shard index)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -23,7 +30,11 @@ _SHARDS = {"qkv_proj": 3, "gate_up_proj": 2, "o_proj": 1, "down_proj": 1}
 
 
 def quantization_config(fmt: WeightFormat, not_quantized: list[str]) -> dict[str, Any]:
-    """The config.json block, shaped like the ecosystem's (compressed-tensors / AWQ names)."""
+    """The config.json block, shaped like the ecosystem's (compressed-tensors / AWQ names; for
+    block-scaled fp8, exactly DeepSeek-V3's)."""
+    if fmt.block is not None:
+        return {"quant_method": BLOCK_FP8_METHOD, "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(fmt.block)}
     block: dict[str, Any] = {"quant_method": QUANT_METHOD, "format": fmt.name,
                              "modules_not_quantized": not_quantized}
     if fmt.name == "int4":
@@ -39,16 +50,35 @@ def parse_quantization_config(cfg: dict[str, Any]) -> WeightFormat | None:
     block = cfg.get("quantization_config")
     if block is None:
         return None
+    if isinstance(block, dict) and block.get("quant_method") == BLOCK_FP8_METHOD:
+        return _parse_block_fp8(block)
     if not isinstance(block, dict) or block.get("quant_method") != QUANT_METHOD:
         method = block.get("quant_method") if isinstance(block, dict) else block
         raise ModelLoadError(f"quantization method {method!r} is not supported (only "
-                             f"{QUANT_METHOD!r}, written by tessera convert)",
+                             f"{QUANT_METHOD!r}, written by tessera convert, and "
+                             f"{BLOCK_FP8_METHOD!r}, DeepSeek-V3-style block FP8)",
                              field="quantization_config")
     try:
         return WeightFormat.parse(str(block["format"]), int(block.get("group_size", 128)),
                                   bool(block.get("symmetric", True)))
     except (KeyError, TypeError, ValueError, TesseraError) as e:
         raise ModelLoadError(f"bad quantization_config: {e}", field="quantization_config") from e
+
+
+def _parse_block_fp8(block: dict[str, Any]) -> WeightFormat:
+    def bad(message: str) -> ModelLoadError:
+        return ModelLoadError(f"bad quantization_config: {message}", field="quantization_config")
+
+    if block.get("fmt", "e4m3") != "e4m3":
+        raise bad(f"fp8 format {block.get('fmt')!r} is not served (only e4m3)")
+    if block.get("activation_scheme", "dynamic") != "dynamic":
+        raise bad(f"activation_scheme {block.get('activation_scheme')!r} is not served (only "
+                  f"dynamic: activations stay in the compute dtype)")
+    size = block.get("weight_block_size")
+    if (not isinstance(size, list) or len(size) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in size)):
+        raise bad(f"weight_block_size must be two positive integers, got {size!r}")
+    return WeightFormat("fp8", block=(size[0], size[1]))
 
 
 def load_quantized_projections(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -85,11 +115,14 @@ def load_quantized_projections(model: nn.Module, tensors: Iterable[tuple[str, to
 
 def _build(meta: nn.Linear, shards: list[tuple[str, dict[str, torch.Tensor]]], dtype: torch.dtype,
            fmt: WeightFormat) -> nn.Module:
+    from runtime.quant.fp8 import expand_block_rows
     from runtime.quant.linear import Fp8Linear, Int4Linear
 
     in_features = meta.in_features
     leaves = ({"weight_packed", "weight_scale"} | ({"weight_zero_point"} if not fmt.symmetric
               else set())) if fmt.name == "int4" else {"weight", "weight_scale"}
+    if fmt.block is not None:
+        leaves = {"weight", "weight_scale_inv"}
     if meta.bias is not None:
         leaves |= {"bias"}
     checked: list[dict[str, torch.Tensor]] = []
@@ -104,11 +137,16 @@ def _build(meta: nn.Linear, shards: list[tuple[str, dict[str, torch.Tensor]]], d
         _check_shard(name, shard, in_features, fmt)
         checked.append(shard)
     bias = torch.cat([s["bias"] for s in checked]).to(dtype) if meta.bias is not None else None
-    rows = sum(s["weight_scale"].shape[0] for s in checked)
+    rows = sum(s["weight" if fmt.block else "weight_scale"].shape[0] for s in checked)
     if rows != meta.out_features:
         names = "+".join(n for n, _ in shards)
         raise ModelLoadError(f"{names} hold {rows} rows, the model needs {meta.out_features}",
                              tensor=f"{shards[0][0]}.weight_scale")
+    if fmt.block is not None:  # one scale per (row, column block), so shards concatenate
+        scales = [expand_block_rows(s["weight_scale_inv"], s["weight"].shape[0], fmt.block[0])
+                  for s in checked]
+        return Fp8Linear(torch.cat([s["weight"] for s in checked]), torch.cat(scales), bias,
+                         block_cols=fmt.block[1])
     if fmt.name == "fp8":
         return Fp8Linear(torch.cat([s["weight"] for s in checked]),
                          torch.cat([s["weight_scale"] for s in checked]), bias)
@@ -126,6 +164,14 @@ def _build(meta: nn.Linear, shards: list[tuple[str, dict[str, torch.Tensor]]], d
 
 def _check_shard(name: str, shard: dict[str, torch.Tensor], in_features: int,
                  fmt: WeightFormat) -> None:
+    if fmt.block is not None:
+        weight = shard["weight"]
+        rows = weight.shape[0] if weight.dim() == 2 else -1
+        blocks = (-(-rows // fmt.block[0]), -(-in_features // fmt.block[1]))
+        want = {"weight": (torch.float8_e4m3fn, (rows, in_features)),
+                "weight_scale_inv": (torch.float32, blocks)}
+        _check_leaves(name, shard, want, fmt)
+        return
     scale = shard["weight_scale"]
     rows = scale.shape[0] if scale.dim() >= 1 else -1
     if fmt.name == "fp8":
@@ -137,6 +183,12 @@ def _check_shard(name: str, shard: dict[str, torch.Tensor], in_features: int,
                 "weight_scale": (torch.bfloat16, (rows, groups))}
         if not fmt.symmetric:
             want["weight_zero_point"] = (torch.uint8, (-(-rows * groups // 2),))
+    _check_leaves(name, shard, want, fmt, in_features)
+
+
+def _check_leaves(name: str, shard: dict[str, torch.Tensor],
+                  want: dict[str, tuple[torch.dtype, tuple[int, ...]]], fmt: WeightFormat,
+                  in_features: int = 0) -> None:
     for leaf, (dt, shape) in want.items():
         t = shard[leaf]
         if t.dtype != dt:

@@ -15,6 +15,7 @@ from runtime.errors import InvalidArgument
 from runtime.formats import TensorBytes, WeightFormat
 from runtime.models.layers import RotaryEmbedding
 from runtime.progress import progress
+from runtime.quant.fp8 import quantize_fp8_blockwise, quantize_fp8_per_channel
 from runtime.quant.linear import Fp8Linear, Int4Linear, quantize_int4_packed
 
 CONVERTIBLE_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -54,7 +55,7 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: Weight
     check_group_fits(name, weight.shape[1], fmt, partial_groups)
     w = weight.detach()
     if fmt.name == "fp8":
-        return Fp8Linear.from_float(w, bias, name=name)
+        return Fp8Linear.from_float(w, bias, name=name, block=fmt.block)
     if fmt.name == "int4":
         return Int4Linear.from_float(w, bias, fmt.group_size, fmt.symmetric, name=name)
     linear = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
@@ -70,14 +71,22 @@ def quantize_checkpoint_tensor(name: str, tensor: torch.Tensor, fmt: WeightForma
                                act_order: bool = False) -> dict[str, torch.Tensor]:
     """One checkpoint weight `...proj.weight` -> its packed tensors, named as the loader reads
     them (`...proj.weight_packed`, `...proj.weight_scale`, ...). A calibration `hessian` of the
-    projection's inputs makes int4 codes GPTQ's."""
+    projection's inputs makes the int4 or fp8 codes GPTQ's."""
     prefix = name.removesuffix(".weight")
     check_group_fits(name, tensor.shape[1], fmt, partial_groups)
     if fmt.name == "int4":
         parts = quantize_int4_packed(tensor.float(), fmt.group_size, fmt.symmetric, name,
                                      hessian, act_order)
-    else:
-        parts = Fp8Linear.from_float(tensor.float()).packed_tensors()
+    else:  # fp8: per-channel `weight_scale`, or DeepSeek-V3's block `weight_scale_inv`
+        if hessian is not None:
+            from runtime.quant.gptq_fp8 import gptq_fp8
+
+            q, scale = gptq_fp8(tensor.float(), hessian, fmt.block, name)
+        elif fmt.block is not None:
+            q, scale = quantize_fp8_blockwise(tensor.float(), fmt.block)
+        else:
+            q, scale = quantize_fp8_per_channel(tensor.float())
+        parts = {"weight": q, ("weight_scale" if fmt.block is None else "weight_scale_inv"): scale}
     return {f"{prefix}.{suffix}": t for suffix, t in parts.items()}
 
 

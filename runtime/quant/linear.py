@@ -43,42 +43,62 @@ from kernels.cpu_ops import native
 from kernels.fp8 import decode_e4m3_bits
 from kernels.qgemv import BLOCK, pack_q4_blocks, q4_dequantize, q4_linear, unpack_q4_blocks
 from runtime.errors import InvalidArgument
-from runtime.quant.fp8 import quantize_fp8_per_channel
+from runtime.quant.fp8 import (
+    expand_block_rows,
+    quantize_fp8_blockwise,
+    quantize_fp8_per_channel,
+)
 from runtime.quant.int4 import best_group_params, quantize_int4_groupwise, quantize_to_codes
 
 _KERNEL_BLOCK_N = 64  # rows interleaved per block in torch's CPU int4pack layout (AVX512 build)
 
 
 class Fp8Linear(nn.Module):
-    """y = x @ (e4m3 weight * row scale)^T + bias."""
+    """y = x @ (e4m3 weight * scale)^T + bias. `weight_scale` is fp32 [out] (one per output
+    channel) or [out, ceil(in / block_cols)] (one per row and column block: DeepSeek-V3-style
+    128x128 block scales expanded along rows, `runtime.quant.fp8.expand_block_rows`)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, block_cols: int | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.block_cols = block_cols
+        if (weight_scale.dim() == 2) != (block_cols is not None):
+            raise ValueError("a 2-d weight_scale needs block_cols, a 1-d one none")
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
+        cols = None  # [in] column -> its block, for 2-d scales (derived, not saved)
+        if block_cols is not None:
+            cols = torch.arange(self.in_features, device=weight.device) // block_cols
+        self.register_buffer("block_of_col", cols, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   name: str = "weight") -> Fp8Linear:
-        q, scale = quantize_fp8_per_channel(weight)
-        return cls(q, scale, bias)
+                   name: str = "weight", block: tuple[int, int] | None = None) -> Fp8Linear:
+        """Per-channel scales, or with `block` DeepSeek-V3-style block scales."""
+        if block is None:
+            q, scale = quantize_fp8_per_channel(weight)
+            return cls(q, scale, bias)
+        q, scale_inv = quantize_fp8_blockwise(weight, block)
+        return cls(q, expand_block_rows(scale_inv, weight.shape[0], block[0]), bias, block[1])
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         return {"weight": self.weight, "weight_scale": self.weight_scale}
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        # NOTE: not repeat_interleave: compiled, it gave NaN here (torch 2.13 CPU inductor)
+        cols = self.block_of_col
         if self.weight.device.type == "cpu":
-            return _fp8_dequant_compiled(self.weight, self.weight_scale).to(dtype)
-        return (self.weight.to(torch.float32) * self.weight_scale[:, None]).to(dtype)
+            return _fp8_dequant_fn()(self.weight, self.weight_scale, cols).to(dtype)
+        return _fp8_dequant(self.weight, self.weight_scale, cols).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3"
+        blocks = "" if self.block_cols is None else f", block_cols={self.block_cols}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3{blocks}"
 
 
 class Int4Linear(nn.Module):
@@ -238,16 +258,17 @@ def _quantize_with_short_group(weight: torch.Tensor, group_size: int, symmetric:
     return codes, scale, zeros
 
 
+def _fp8_dequant(q: torch.Tensor, scale: torch.Tensor,
+                 block_of_col: torch.Tensor | None) -> torch.Tensor:
+    if block_of_col is None:
+        return decode_e4m3_bits(q) * scale[:, None]
+    # per (row, column block): each column reads its block's scale
+    return decode_e4m3_bits(q) * scale.index_select(1, block_of_col)
+
+
 @functools.cache
 def _fp8_dequant_fn():
-    def dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return decode_e4m3_bits(q) * scale[:, None]
-
-    return torch.compile(dequant, dynamic=False)
-
-
-def _fp8_dequant_compiled(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _fp8_dequant_fn()(q, scale)
+    return torch.compile(_fp8_dequant, dynamic=False)
 
 
 def _pack_rows(codes: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ def _cache(fmt: str, kv_heads: int, pages: int, page_size: int, dim: int):
     return k, k.clone(), *scales
 
 
-def _filled(fmt, lengths, kv_heads, page_size, dim, seed):
+def _filled(fmt, lengths, kv_heads, page_size, dim, seed, hadamard=False):
     gen = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // page_size) for n in lengths]
     pages = sum(per_seq) + 2
@@ -48,7 +48,7 @@ def _filled(fmt, lengths, kv_heads, page_size, dim, seed):
         slots = torch.tensor([ids[t // page_size] * page_size + t % page_size for t in range(n)])
         k = torch.randn(n, kv_heads, dim, generator=gen) * 3
         v = torch.randn(n, kv_heads, dim, generator=gen)
-        ref_store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+        ref_store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale, hadamard)
     return (k_cache, v_cache, k_scale, v_scale), table, gen
 
 
@@ -64,6 +64,22 @@ def test_decode_op_matches_torch_twin(ops, fmt, heads, kv_heads, dim, page_size,
     got = ops.paged_decode_attention(q, cache[0], cache[1], table, lens, dim**-0.5, *cache[2:])
     want = ref_paged_decode_attention(q, cache[0], cache[1], table, lens, dim**-0.5, *cache[2:])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,page_size", [(9, 3, 64, 16), (2, 2, 128, 1),
+                                                        (4, 1, 16, 5)])
+@pytest.mark.parametrize("lengths", [[1], [100, 1, 33, 64, 15]])
+def test_decode_op_reads_hadamard_rotated_pages_as_its_twin(ops, heads, kv_heads, dim,
+                                                             page_size, lengths):
+    cache, table, gen = _filled("fp8", lengths, kv_heads, page_size, dim, seed=dim,
+                                hadamard=True)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    lens = torch.tensor(lengths)
+    args = (q, cache[0], cache[1], table, lens, dim**-0.5, *cache[2:])
+    got = ops.paged_decode_attention(*args, hadamard=True)
+    want = ref_paged_decode_attention(*args, hadamard=True)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(got, ops.paged_decode_attention(*args), atol=1e-2)
 
 
 def test_decode_op_attends_only_to_each_sequences_own_context(ops):
@@ -132,6 +148,37 @@ def test_store_op_writes_the_torch_twins_bytes(ops, fmt, tokens, heads, dim, pag
     assert torch.equal(got[0], want[0])
     if fmt == "fp8":
         assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("tokens,heads,dim,page_size", [(1, 1, 64, 16), (7, 3, 64, 16),
+                                                        (33, 2, 16, 5), (64, 4, 128, 8)])
+def test_store_op_writes_the_twins_bytes_for_hadamard_rotated_rows(ops, tokens, heads, dim,
+                                                                    page_size):
+    gen = torch.Generator().manual_seed(tokens + dim)
+    pages = -(-tokens // page_size) * 2 + 1
+    x = _awkward_rows(tokens, heads, dim, gen)
+    slots = torch.randperm(pages * page_size, generator=gen)[:tokens]
+    got = _cache("fp8", heads, pages, page_size, dim)
+    want = _cache("fp8", heads, pages, page_size, dim)
+    ops.store_kv_rows(x, got[0], slots, got[2], hadamard=True)
+    ref_store_kv(x, x.clone(), want[0], want[1], slots, want[2], want[3], hadamard=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    y = torch.randn(tokens, heads, dim, generator=gen)  # (x may be degenerate rows only)
+    rotated, plain = (_cache("fp8", heads, pages, page_size, dim) for _ in range(2))
+    ops.store_kv_rows(y, rotated[0], slots, rotated[2], hadamard=True)
+    ops.store_kv_rows(y, plain[0], slots, plain[2])
+    assert not torch.equal(rotated[0], plain[0])
+
+
+def test_ops_refuse_a_hadamard_rotation_of_a_non_power_of_two_head(ops):
+    cache, table, gen = _filled("fp8", [5], 1, 4, 48, seed=1)
+    q = torch.randn(1, 2, 48, generator=gen)
+    with pytest.raises(RuntimeError, match="power-of-two"):
+        ops.paged_decode_attention(q, cache[0], cache[1], table, torch.tensor([5]), 0.1,
+                                   *cache[2:], hadamard=True)
+    with pytest.raises(RuntimeError, match="power-of-two"):
+        ops.store_kv_rows(torch.randn(1, 1, 48), cache[0], torch.tensor([0]), cache[2],
+                          hadamard=True)
 
 
 def test_store_op_refuses_an_out_of_range_slot_and_writes_nothing(ops):
