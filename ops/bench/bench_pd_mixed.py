@@ -1,19 +1,21 @@
 """Colocated vs disaggregated serving under a mixed workload: do long prefills stall other
 sequences' decode? Real worker processes, one gateway on loopback, the default model.
 
-    python -m ops.bench.bench_pd_mixed [--rounds 3] [--chat-clients 4] [--long-clients 1] \
-        [--long-input 1024] --out ops/bench/plots/pd_mixed_issue15.json
+    python -m ops.bench.bench_pd_mixed [--rounds 4] [--chat-clients 4] [--long-requests 5] \
+        [--long-every-s 8] [--long-input 1536] --out ops/bench/plots/pd_mixed_issue15.json
 
 Deployment `colo`: one colocated worker (role `both`) on `--colo-threads` CPU threads.
 Deployment `pd`: one prefill worker and one decode worker on `--pd-threads` threads each (the
 KV moves between them, runtime/disagg). Both sit behind the same gateway; only one is driven at
-a time, rounds alternate which goes first. One run: `--chat-clients` streaming clients each send
-`--chat-requests` short-prompt, long-output requests one after another (their inter-token
-latency is the quantity of interest) while `--long-clients` clients keep sending long-prompt,
-short-output requests until the last chat stream ends. Prompts are random text (no prefix-cache
-hit), fresh every round, the same for both deployments within a round. Reported per run: output
-tok/s over all requests (first send to last reply), the chat streams' ITL p50/p95 and TTFT, the
-long requests' TTFT; then medians over rounds and the per-round pd/colo ratios' median.
+a time, rounds alternate which goes first. One run offers both deployments the same work:
+`--chat-clients` streaming clients each send `--chat-requests` short-prompt, long-output
+requests one after another (their inter-token latency is the quantity of interest) while
+`--long-requests` long-prompt, short-output requests arrive every `--long-every-s` seconds from
+the start (an open loop: a deployment that falls behind queues them). Prompts are random text
+(no prefix-cache hit), fresh every round, the same for both deployments within a round.
+Reported per run: output tok/s over all requests (first send to last reply), the chat streams'
+ITL p50/p95 and TTFT, the long requests' TTFT; then medians over rounds and the median of the
+per-round pd/colo ratios.
 """
 
 from __future__ import annotations
@@ -59,28 +61,23 @@ def load_average() -> float:
 
 
 async def mixed_run(backend: GrpcBackend, chat: Sequence[Sequence[BenchPrompt]],
-                    long: Sequence[BenchPrompt], long_clients: int) -> dict[str, Any]:
-    """`chat[i]`: client i's requests, sent one after another; `long`: a queue the long
-    clients take from until every chat client is done (or it is empty)."""
-    queue = list(long)
-    chat_done = asyncio.Event()
+                    long: Sequence[BenchPrompt], long_every_s: float) -> dict[str, Any]:
+    """`chat[i]`: client i's requests, sent one after another; `long[k]` is sent at
+    k * `long_every_s` seconds after the start, whatever is still running."""
 
     async def chat_client(prompts: Sequence[BenchPrompt]) -> list[RequestResult]:
         return [await backend.send(p, True) for p in prompts]
 
-    async def long_client() -> list[RequestResult]:
-        out = []
-        while queue and not chat_done.is_set():
-            out.append(await backend.send(queue.pop(), True))
-        return out
+    async def long_request(k: int, prompt: BenchPrompt) -> RequestResult:
+        await asyncio.sleep(max(0.0, t0 + k * long_every_s - time.perf_counter()))
+        return await backend.send(prompt, True)
 
     load_before = load_average()
     t0 = time.perf_counter()
-    longs = [asyncio.create_task(long_client()) for _ in range(long_clients)]
+    longs = asyncio.gather(*(long_request(k, p) for k, p in enumerate(long)))
     chats = await asyncio.gather(*(chat_client(c) for c in chat))
     chat_s = time.perf_counter() - t0
-    chat_done.set()
-    long_results = [r for rs in await asyncio.gather(*longs) for r in rs]
+    long_results = list(await longs)
     total_s = time.perf_counter() - t0
     chat_results = [r for rs in chats for r in rs]
     everything = summarize(chat_results + long_results, total_s)
@@ -88,7 +85,6 @@ async def mixed_run(backend: GrpcBackend, chat: Sequence[Sequence[BenchPrompt]],
             "total_s": total_s, "chat_s": chat_s,
             "output_tok_s": everything["output_throughput"],
             "failed": everything["failed"], "errors": everything["errors"],
-            "long_queue_left": len(queue),
             "chat": summarize(chat_results, chat_s), "long": summarize(long_results, total_s)}
 
 
@@ -101,7 +97,7 @@ KEYS = {  # name in the tables -> how to read it from one run
     "chat_tok_s": lambda r: r["chat"]["output_throughput"],
     "long_ttft_p50_ms": lambda r: r["long"]["ttft_ms"]["median"],
     "long_ttft_p95_ms": lambda r: r["long"]["ttft_ms"]["p95"],
-    "long_completed": lambda r: r["long"]["completed"],
+    "total_s": lambda r: r["total_s"],
 }
 
 
@@ -121,25 +117,24 @@ def medians(runs: Sequence[dict[str, Any]], a: str = "colo", b: str = "pd") -> d
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--chat-clients", type=int, default=4)
-    p.add_argument("--chat-requests", type=int, default=1, help="per chat client, in turn")
+    p.add_argument("--chat-requests", type=int, default=3, help="per chat client, in turn")
     p.add_argument("--chat-input", type=int, default=32, help="prompt tokens")
-    p.add_argument("--chat-output", type=int, default=64, help="output tokens")
-    p.add_argument("--long-clients", type=int, default=1)
-    p.add_argument("--long-input", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--chat-output", type=int, default=96, help="output tokens")
+    p.add_argument("--long-requests", type=int, default=5, help="per run")
+    p.add_argument("--long-every-s", type=float, default=8.0, help="between long arrivals")
+    p.add_argument("--long-input", type=int, default=1536, help="prompt tokens")
     p.add_argument("--long-output", type=int, default=8, help="output tokens")
-    p.add_argument("--long-prompts", type=int, default=16,
-                   help="long prompts made per round (a run sends at most this many)")
     p.add_argument("--colo-threads", type=int, default=2)
     p.add_argument("--pd-threads", type=int, default=1, help="per pd worker")
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="per worker")
     p.add_argument("--out", default=None, help="write the raw results as JSON here")
     args = p.parse_args(argv)
     if min(args.rounds, args.chat_clients, args.chat_requests, args.chat_input,
-           args.chat_output, args.long_clients, args.long_input, args.long_output,
-           args.long_prompts, args.colo_threads, args.pd_threads) < 1:
-        p.error("every count, length and thread number must be >= 1")
+           args.chat_output, args.long_requests, args.long_input, args.long_output,
+           args.colo_threads, args.pd_threads) < 1 or not args.long_every_s >= 0:
+        p.error("every count, length and thread number must be >= 1, --long-every-s >= 0")
     return args
 
 
@@ -161,17 +156,17 @@ async def bench(args: argparse.Namespace, target: str) -> list[dict[str, Any]]:
             chat_flat = maker.random_prompts(args.chat_clients * args.chat_requests,
                                              args.chat_input, args.chat_output, seed=10 * i)
             chat = [chat_flat[c::args.chat_clients] for c in range(args.chat_clients)]
-            long = maker.random_prompts(args.long_prompts, args.long_input, args.long_output,
-                                        seed=10 * i + 1)
+            long = maker.random_prompts(args.long_requests, args.long_input,
+                                        args.long_output, seed=10 * i + 1)
             order = ["colo", "pd"] if i % 2 == 0 else ["pd", "colo"]
             this: dict[str, Any] = {"round": i, "order": order, "started_at": now_utc()}
             for m in order:
-                run = this[m] = await mixed_run(backends[m], chat, long, args.long_clients)
+                run = this[m] = await mixed_run(backends[m], chat, long, args.long_every_s)
                 print(f"round {i} {m:4}: {run['output_tok_s']:6.1f} out tok/s, chat ITL p50/p95 "
                       f"{run['chat']['itl_ms']['median'] or 0:7.1f} / "
                       f"{run['chat']['itl_ms']['p95'] or 0:7.1f} ms, long TTFT p50 "
                       f"{run['long']['ttft_ms']['median'] or 0:7.0f} ms, "
-                      f"{run['long']['completed']} long done, {run['failed']} failed, "
+                      f"{run['total_s']:5.1f} s, {run['failed']} failed, "
                       f"load {run['load_average_before']:.2f}->"
                       f"{run['load_average_after']:.2f}", flush=True)
             rounds.append(this)

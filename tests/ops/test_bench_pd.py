@@ -19,7 +19,7 @@ def mixed_run(tok_s: float, itl_p95_ms: float) -> dict:
     dist = {"mean": 1.0, "median": 1.0, "p95": itl_p95_ms, "p99": itl_p95_ms}
     return {"output_tok_s": tok_s,
             "chat": {"itl_ms": dist, "ttft_ms": dist, "output_throughput": tok_s},
-            "long": {"ttft_ms": {**dist, "median": None}, "completed": 2}}
+            "long": {"ttft_ms": {**dist, "median": None}}, "total_s": 10.0}
 
 
 def test_mixed_medians_are_over_rounds_and_ratios_per_round():
@@ -64,6 +64,6 @@ def test_integrity_bench_refuses_non_positive_counts(argv):
 
 def test_mixed_bench_refuses_non_positive_counts_and_keeps_defaults():
     with pytest.raises(SystemExit):
-        mixed_args(["--long-clients", "0"])
+        mixed_args(["--long-requests", "0"])
     args = mixed_args([])
     assert (args.colo_threads, args.pd_threads) == (2, 1)  # the same two cores either way
