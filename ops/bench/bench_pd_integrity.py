@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ops.bench.bench_pd_mixed import API_KEY, pd_pools, start_gateway
+from ops.bench.bench_pd_mixed import API_KEY, WARMUP_SEED, pd_pools, start_gateway
 from ops.bench.serving.backends import GrpcBackend
 from ops.bench.serving.cli import machine_info, now_utc, prompt_maker
 from ops.bench.serving.load import Level, run_level
@@ -92,7 +92,7 @@ async def bench(args: argparse.Namespace, target: str) -> list[dict[str, Any]]:
         await b.open()
     units: list[dict[str, Any]] = []
     try:
-        warm = maker.random_prompts(2, args.input_len, 2, seed=-1)
+        warm = maker.random_prompts(2, args.input_len, 2, seed=WARMUP_SEED)
         for b in backends.values():  # first use of each path, not measured
             for prompt in warm:
                 if (r := await b.send(prompt, True)).error:

@@ -38,6 +38,9 @@ from ops.bench.serving.metrics import RequestResult, summarize
 from ops.bench.serving.prompts import BenchPrompt
 
 API_KEY = "bench-key"
+# NOTE: far from every round's seeds; random.Random(-n) == random.Random(n), so warm-up prompts
+# from a negative seed were a measured level's prompts again (prefix-cache hits).
+WARMUP_SEED = 10**9
 
 
 def start_gateway(pools: Sequence[PoolConfig]) -> GatewayRunner:
@@ -145,8 +148,8 @@ async def bench(args: argparse.Namespace, target: str) -> list[dict[str, Any]]:
         await b.open()
     rounds: list[dict[str, Any]] = []
     try:
-        warm_chat = maker.random_prompts(1, args.chat_input, 4, seed=-1)
-        warm_long = maker.random_prompts(1, args.long_input, 2, seed=-2)
+        warm_chat = maker.random_prompts(1, args.chat_input, 4, seed=WARMUP_SEED)
+        warm_long = maker.random_prompts(1, args.long_input, 2, seed=WARMUP_SEED + 1)
         for b in backends.values():  # first use of each path, not measured
             for prompt in warm_chat + warm_long:
                 r = await b.send(prompt, True)
