@@ -1,7 +1,7 @@
 """Colocated vs disaggregated serving under a mixed workload: do long prefills stall other
 sequences' decode? Real worker processes, one gateway on loopback, the default model.
 
-    python -m ops.bench.bench_pd_mixed [--rounds 4] [--chat-clients 4] [--long-requests 5] \
+    python -m ops.bench.bench_pd_mixed [--rounds 4] [--chat-clients 4] [--long-requests 4] \
         [--long-every-s 8] [--long-input 1536] --out ops/bench/plots/pd_mixed_issue15.json
 
 Deployment `colo`: one colocated worker (role `both`) on `--colo-threads` CPU threads.
@@ -122,10 +122,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--chat-clients", type=int, default=4)
-    p.add_argument("--chat-requests", type=int, default=3, help="per chat client, in turn")
+    p.add_argument("--chat-requests", type=int, default=2, help="per chat client, in turn")
     p.add_argument("--chat-input", type=int, default=32, help="prompt tokens")
     p.add_argument("--chat-output", type=int, default=96, help="output tokens")
-    p.add_argument("--long-requests", type=int, default=5, help="per run")
+    p.add_argument("--long-requests", type=int, default=4, help="per run")
     p.add_argument("--long-every-s", type=float, default=8.0, help="between long arrivals")
     p.add_argument("--long-input", type=int, default=1536, help="prompt tokens")
     p.add_argument("--long-output", type=int, default=8, help="output tokens")
