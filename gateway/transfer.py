@@ -1,16 +1,19 @@
 """The worker side of disaggregated serving (runtime/disagg over gRPC between worker processes).
 
-A decode worker's `GenerateImported` reserves the prompt's pages first (OVERLOADED when they
-are not free: nothing moves, the prefill side is never called), then calls `Prefill` on the
-prefill worker the gateway named. That worker prefills, samples the first token and sends its
-chunk (relayed to the client at once), then the request's KV as checksummed frames. Each frame
-is gathered on the prefill engine's thread and verified and written on the decode engine's
-thread one at a time, so at most one frame (at most `max_frame_bytes`) is in the making on each
-side beyond gRPC's flow-controlled window: a slow decode side stalls the sender instead of
-queueing pages in memory. Only after the end frame and every (layer, page) are verified does the
-import commit: fresh tags, then the request decodes. Any failure frees both sides' pages and
-ends this request only, typed: KV_INTEGRITY_VIOLATION (cause `transfer`) for a frame that
-fails verification, DEADLINE_EXCEEDED for a transfer past its deadline, UNAVAILABLE when the
+A decode worker's `GenerateImported` reserves the prompt's pages first, then calls `Prefill` on
+the prefill worker the gateway named. When the pages are not free, the request waits for them
+in arrival order (as vLLM's and SGLang's decode sides queue a transfer until their KV cache has
+room) while the prefill side holds nothing for it: past the request's deadline it ends
+DEADLINE_EXCEEDED (without one, OVERLOADED after the transfer timeout), and no byte moved.
+The prefill worker prefills, samples the first token and sends its chunk (relayed to the
+client at once), then the request's KV as checksummed frames. Each frame is gathered on the
+prefill engine's thread and verified and written on the decode engine's thread one at a time,
+so at most one frame (at most `max_frame_bytes`) is in the making on each side beyond gRPC's
+flow-controlled window: a slow decode side stalls the sender instead of queueing pages in
+memory. Only after the end frame and every (layer, page) are verified does the import commit:
+fresh tags, then the request decodes. Any failure frees both sides' pages and ends this
+request only, typed: KV_INTEGRITY_VIOLATION (cause `transfer`) for a frame that fails
+verification, DEADLINE_EXCEEDED for a transfer past its deadline, UNAVAILABLE when the
 prefill worker is lost, CANCELLED when the client leaves.
 """
 
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -26,16 +31,22 @@ from gateway import wire
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
-from gateway.errors import Unavailable, WorkerLost, from_rpc_error
+from gateway.errors import DeadlineExceeded, Unavailable, WorkerLost, from_rpc_error
 from runtime.async_engine import AsyncLLM
 from runtime.disagg.export import DEFAULT_FRAME_BYTES, KVExport
 from runtime.disagg.importer import KVImport
 from runtime.disagg.metrics import TransferCounters
-from runtime.errors import InvalidArgument, RequestCancelled, TransferDeadlineExceeded
+from runtime.errors import (
+    InvalidArgument,
+    KVPoolExhausted,
+    RequestCancelled,
+    TransferDeadlineExceeded,
+)
 
 ROLES = ("both", "prefill", "decode")
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 MAX_FRAME_BYTES = 8 << 20  # a frame's byte budget, whatever the caller asks
+RESERVE_POLL_S = 0.02  # how often a request waiting for pages looks at the engine's snapshot
 # gRPC's per-message limit on the worker-to-worker channel: a frame plus its envelope.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_FRAME_BYTES + (1 << 20))]
 
@@ -50,10 +61,10 @@ def corrupt_frame(frame_seq: int, data: bytes) -> bytes:
     return bytes(bad)
 
 
-def transfer_stats(c: TransferCounters, pending: int) -> wpb.TransferStats:
+def transfer_stats(c: TransferCounters, pending: int, waiting: int = 0) -> wpb.TransferStats:
     return wpb.TransferStats(transfers=c.transfers, frames=c.frames, pages=c.pages,
                              bytes=c.bytes, duration_s=c.duration_s,
-                             failures=dict(c.failures), pending=pending)
+                             failures=dict(c.failures), pending=pending, waiting=waiting)
 
 
 class TransferService:
@@ -67,12 +78,19 @@ class TransferService:
         self.engine = llm.engine
         self.served = served
         self.role = role
-        self.faults = dict(faults or {})  # tenant -> "corrupt" | "stall" (drills only)
+        # tenant -> "corrupt" | "stall" | "hold" (drills only, on the prefill side)
+        self.faults = dict(faults or {})
         self.exported = TransferCounters()
         self.imported = TransferCounters()
         self.pending_exports = 0
         self.pending_imports = 0
+        self._waiting: deque[object] = deque()  # imports waiting for pages, oldest first
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+
+    @property
+    def waiting_imports(self) -> int:
+        """Imports waiting for free pages now (the decode side's queue depth)."""
+        return len(self._waiting)
 
     def _require(self, *roles: str) -> None:
         if self.role not in roles:
@@ -93,6 +111,7 @@ class TransferService:
             held.append(KVExport.start(self.engine, rid, ids, params, tenant,
                                        counters=self.exported))
 
+        fault = self.faults.get(tenant)
         self.pending_exports += 1
         try:
             async for out in self.llm.stream(rid, admit):
@@ -100,6 +119,8 @@ class TransferService:
                     raise out.error
                 if out.finished and out.outputs[0].finish_reason == "abort":
                     raise RequestCancelled("the request was aborted", request_id=rid)
+                if fault == "hold":  # prompt computed, first token not out: both sides hold
+                    await asyncio.Event().wait()  # pages until the call ends
                 chunk = wire.chunk_response(out, first=True, served=self.served)
                 if chunk is not None:
                     yield wpb.PrefillResponse(out=chunk)
@@ -110,7 +131,6 @@ class TransferService:
                 # The first token ended it (eos, a stop, max_tokens 1): nothing to move.
                 yield wpb.PrefillResponse(out=wire.final_response([out], self.served))
                 return
-            fault = self.faults.get(tenant)
             if fault == "stall":
                 await asyncio.Event().wait()  # a sender that never sends: the deadline ends it
             frames = export.frames(request.first_page, budget,
@@ -134,8 +154,10 @@ class TransferService:
     async def generate_imported(
             self, request: wpb.ImportGenerateRequest,
             prompt_of: Callable[[wpb.WorkerGenerateRequest], str | list[int]],
+            time_left_s: float | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Reserve, pull from the prefill worker, verify, import, decode; see the module doc."""
+        """Reserve (waiting for pages up to `time_left_s`, the call's deadline, and the transfer
+        timeout), pull from the prefill worker, verify, import, decode; see the module doc."""
         self._require("decode", "both")
         wreq = request.request
         rid, tenant = wreq.request_id, wreq.tenant or "default"
@@ -148,9 +170,9 @@ class TransferService:
             raise InvalidArgument("n > 1 and logprobs are not served by prefill/decode pools "
                                   "yet", field="n" if params.n != 1 else "logprobs")
         timeout_s = request.transfer_timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
-        imp = await self._reserve(lambda: KVImport.reserve(
+        imp = await self._reserve_queued(lambda: KVImport.reserve(
             self.engine, rid, ids, params, tenant, prompt_text=text, counters=self.imported,
-            deadline_s=timeout_s))
+            deadline_s=timeout_s), timeout_s, time_left_s)
         self.pending_imports += 1
         cause = "cancelled"
         call = None
@@ -197,6 +219,42 @@ class TransferService:
                 call.cancel()  # a no-op once finished; frees the prefill side's pages otherwise
             self.llm.submit(lambda: imp.abort(cause))  # a no-op once committed or failed
 
+
+    async def _reserve_queued(self, reserve: Callable[[], KVImport], timeout_s: float,
+                              time_left_s: float | None) -> KVImport:
+        """The reservation, first come first served: while the pool lacks the pages, wait
+        until the caller's deadline (then DEADLINE_EXCEEDED), or for a caller without one
+        `timeout_s` (then OVERLOADED, retryable). Only the oldest waiter tries, and only once
+        the engine's last snapshot shows room, so a large prompt is not starved by smaller
+        ones behind it."""
+        started = time.monotonic()
+        bound_s = timeout_s if time_left_s is None else time_left_s
+        ticket = object()
+        self._waiting.append(ticket)
+        needed = 0
+        refused = KVPoolExhausted("no KV pages free for this request's import")
+        try:
+            while True:
+                if self._waiting[0] is ticket and self._room() >= needed:
+                    try:
+                        return await self._reserve(reserve)
+                    except KVPoolExhausted as e:
+                        needed = int(e.metadata.get("needed_pages", 1))
+                        refused = e
+                if time.monotonic() - started >= bound_s:
+                    if time_left_s is not None:
+                        raise DeadlineExceeded("the deadline passed while this request waited "
+                                               "for free KV pages on the decode side")
+                    refused.metadata["retry_after_s"] = "1"
+                    raise refused
+                await asyncio.sleep(RESERVE_POLL_S)
+        finally:
+            self._waiting.remove(ticket)
+
+    def _room(self) -> int:
+        """Pages a reservation could take now, as of the engine's last published pass."""
+        stats = self.llm.snapshot.stats
+        return stats.num_free_pages + stats.num_evictable_pages
 
     async def _reserve(self, reserve: Callable[[], KVImport]) -> KVImport:
         """The reservation, made on the engine thread. NOTE: a caller cancelled while it is

@@ -111,7 +111,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         """Decode side of a disaggregated request (gateway/transfer.py)."""
         self.requests_served += 1
-        stream = self.transfer.generate_imported(request, self._prompt)
+        stream = self.transfer.generate_imported(request, self._prompt,
+                                                 context.time_remaining())
         async for resp in self._guarded(stream, request.request.request_id,
                                         request.request.tenant, context):
             yield resp
@@ -188,7 +189,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             integrity_mismatches=snap.integrity_mismatches, native_ops=self.native_ops,
             role=self.transfer.role,
             exported=transfer_stats(self.transfer.exported, self.transfer.pending_exports),
-            imported=transfer_stats(self.transfer.imported, self.transfer.pending_imports),
+            imported=transfer_stats(self.transfer.imported, self.transfer.pending_imports,
+                                    self.transfer.waiting_imports),
             num_threads=self.engine.num_threads)
 
 
@@ -233,8 +235,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--role", default="both", choices=ROLES,
                    help="both: colocated; prefill / decode: one side of disaggregated serving")
     p.add_argument("--fault-transfer", action="append", default=None, metavar="KIND:TENANT",
-                   help="drills only: corrupt a KV frame (corrupt) or stall the transfer "
-                        "(stall) of each request of TENANT sent from here; repeatable")
+                   help="drills only, on a prefill worker: corrupt a KV frame (corrupt), stall "
+                        "the transfer after the first token (stall), or hold the request after "
+                        "its prefill, before the first token (hold), for each request of "
+                        "TENANT; repeatable")
     p.add_argument("--fault-tenant", default=None,
                    help="drills only: corrupt the page table of each request of this tenant")
     p.add_argument("--fault-loop", action="append", default=None, metavar="KIND:TENANT",

@@ -161,7 +161,7 @@ class StatusResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., served: _Optional[_Union[_gateway_pb2.ServedConfig, _Mapping]] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., integrity_checks: _Optional[int] = ..., integrity_mismatches: _Optional[int] = ..., native_ops: _Optional[str] = ..., role: _Optional[str] = ..., exported: _Optional[_Union[TransferStats, _Mapping]] = ..., imported: _Optional[_Union[TransferStats, _Mapping]] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("transfers", "frames", "pages", "bytes", "duration_s", "failures", "pending")
+    __slots__ = ("transfers", "frames", "pages", "bytes", "duration_s", "failures", "pending", "waiting")
     class FailuresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class TransferStats(_message.Message):
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     transfers: int
     frames: int
     pages: int
@@ -183,4 +184,5 @@ class TransferStats(_message.Message):
     duration_s: float
     failures: _containers.ScalarMap[str, int]
     pending: int
-    def __init__(self, transfers: _Optional[int] = ..., frames: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., failures: _Optional[_Mapping[str, int]] = ..., pending: _Optional[int] = ...) -> None: ...
+    waiting: int
+    def __init__(self, transfers: _Optional[int] = ..., frames: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., failures: _Optional[_Mapping[str, int]] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
