@@ -255,7 +255,7 @@ def test_client_leaving_at_each_stage_frees_both_sides(runner, stage) -> None:
     deadline passes; transfer: `bob`'s sender stalls after the first token, so leaving then
     leaves mid-transfer; decode: leaving after the first tokens of a long output."""
     if stage == "prefill":
-        held = _in_thread(runner, "carol", PROMPTS[0], 4, timeout_s=6)
+        held = _in_thread(runner, "carol", PROMPTS[0], 4, timeout_s=4)
         wait_for(lambda: _held_on_both_sides(_statuses(runner)), 30,
                  "both sides holding the request")
         held.thread.join(60)
