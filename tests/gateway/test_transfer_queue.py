@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def test_imports_wait_for_pages_in_arrival_order(engine):
+def test_imports_wait_for_pages_in_arrival_order(engine, one_torch_thread):
     llm = AsyncLLM(engine)
     service = TransferService(llm, wire.ServedInfo("m", "r", "", "", "", "", "w"), "decode")
     pool = engine.pool

@@ -34,6 +34,11 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    """Every test of the module on one torch thread (see `one_torch_thread`)."""
+
+
 @pytest.fixture(scope="module")
 def fp8_llm(one_torch_thread):
     """A decode-side engine with FP8 KV (a small pool: 400 pages)."""
