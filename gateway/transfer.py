@@ -10,8 +10,11 @@ client at once), then the request's KV as checksummed frames. Each frame is gath
 prefill engine's thread and verified and written on the decode engine's thread one at a time,
 so at most one frame (at most `max_frame_bytes`) is in the making on each side beyond gRPC's
 flow-controlled window: a slow decode side stalls the sender instead of queueing pages in
-memory. Only after the end frame and every (layer, page) are verified does the import commit:
-fresh tags, then the request decodes. Any failure frees both sides' pages and ends this
+memory. When the prefill worker is on this host (a unix socket), frames move through a
+shared-memory ring the decode side creates (runtime/disagg/shm.py, at most RING_SLOTS frames
+in flight) and the stream carries only (slot, length): the same bytes, the same checks.
+Only after the end frame and every (layer, page) are verified does the import commit: fresh
+tags, then the request decodes. Any failure frees both sides' pages and ends this
 request only, typed: KV_INTEGRITY_VIOLATION (cause `transfer`) for a frame that fails
 verification, DEADLINE_EXCEEDED for a transfer past its deadline, UNAVAILABLE when the
 prefill worker is lost, CANCELLED when the client leaves.
@@ -21,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -31,22 +32,23 @@ from gateway import wire
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
-from gateway.errors import DeadlineExceeded, Unavailable, WorkerLost, from_rpc_error
+from gateway.errors import Unavailable, WorkerLost, from_rpc_error
+from gateway.page_wait import PageWait
 from runtime.async_engine import AsyncLLM
 from runtime.disagg.export import DEFAULT_FRAME_BYTES, KVExport
+from runtime.disagg.frames import FrameError
 from runtime.disagg.importer import KVImport
 from runtime.disagg.metrics import TransferCounters
-from runtime.errors import (
-    InvalidArgument,
-    KVPoolExhausted,
-    RequestCancelled,
-    TransferDeadlineExceeded,
-)
+from runtime.disagg.shm import FrameRing
+from runtime.errors import InvalidArgument, RequestCancelled, TransferDeadlineExceeded
 
 ROLES = ("both", "prefill", "decode")
+TRANSPORTS = ("auto", "grpc")  # auto: a shared-memory ring when the prefill worker is local
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 MAX_FRAME_BYTES = 8 << 20  # a frame's byte budget, whatever the caller asks
-RESERVE_POLL_S = 0.02  # how often a request waiting for pages looks at the engine's snapshot
+RING_SLOTS = 4  # frames in flight through shared memory, each at most a frame's budget
+RING_SLACK_BYTES = 64 << 10  # a frame's header beside its payload budget
+RING_POLL_S = 0.001  # how often a sender with every ring slot in flight looks again
 # gRPC's per-message limit on the worker-to-worker channel: a frame plus its envelope.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_FRAME_BYTES + (1 << 20))]
 
@@ -64,33 +66,32 @@ def corrupt_frame(frame_seq: int, data: bytes) -> bytes:
 def transfer_stats(c: TransferCounters, pending: int, waiting: int = 0) -> wpb.TransferStats:
     return wpb.TransferStats(transfers=c.transfers, frames=c.frames, pages=c.pages,
                              bytes=c.bytes, duration_s=c.duration_s,
-                             failures=dict(c.failures), pending=pending, waiting=waiting)
+                             failures=dict(c.failures), pending=pending, waiting=waiting,
+                             shm_frames=c.shm_frames)
 
 
 class TransferService:
     """Both halves of a transfer for one worker; the WorkerServicer delegates to it."""
 
     def __init__(self, llm: AsyncLLM, served: wire.ServedInfo, role: str = "both",
-                 faults: dict[str, str] | None = None) -> None:
+                 faults: dict[str, str] | None = None, transport: str = "auto") -> None:
         if role not in ROLES:
             raise InvalidArgument(f"unknown worker role {role!r}", field="role")
         self.llm = llm
         self.engine = llm.engine
         self.served = served
         self.role = role
+        if transport not in TRANSPORTS:
+            raise InvalidArgument(f"unknown KV transport {transport!r}", field="transport")
+        self.transport = transport
         # tenant -> "corrupt" | "stall" | "hold" (drills only, on the prefill side)
         self.faults = dict(faults or {})
         self.exported = TransferCounters()
         self.imported = TransferCounters()
         self.pending_exports = 0
         self.pending_imports = 0
-        self._waiting: deque[object] = deque()  # imports waiting for pages, oldest first
+        self.page_wait = PageWait(llm)
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
-
-    @property
-    def waiting_imports(self) -> int:
-        """Imports waiting for free pages now (the decode side's queue depth)."""
-        return len(self._waiting)
 
     def _require(self, *roles: str) -> None:
         if self.role not in roles:
@@ -112,6 +113,7 @@ class TransferService:
                                        counters=self.exported))
 
         fault = self.faults.get(tenant)
+        ring: FrameRing | None = None
         self.pending_exports += 1
         try:
             async for out in self.llm.stream(rid, admit):
@@ -135,9 +137,18 @@ class TransferService:
                 await asyncio.Event().wait()  # a sender that never sends: the deadline ends it
             frames = export.frames(request.first_page, budget,
                                    corrupt_frame if fault == "corrupt" else None)
+            ring = _attach(request.shm_ring)
             while (data := await self.llm.call(lambda: next(frames, None))) is not None:
-                yield wpb.PrefillResponse(frame=data)
+                if ring is None or not ring.fits(len(data)):
+                    yield wpb.PrefillResponse(frame=data)
+                    continue
+                while (slot := ring.try_put(data)) is None:  # every slot still in flight
+                    await asyncio.sleep(RING_POLL_S)
+                self.exported.shm_frames += 1
+                yield wpb.PrefillResponse(shm_frame=wpb.ShmFrame(slot=slot, nbytes=len(data)))
         finally:
+            if ring is not None:
+                ring.close()
             self.pending_exports -= 1
             if held:
                 self.llm.submit(held[0].release)
@@ -170,24 +181,30 @@ class TransferService:
             raise InvalidArgument("n > 1 and logprobs are not served by prefill/decode pools "
                                   "yet", field="n" if params.n != 1 else "logprobs")
         timeout_s = request.transfer_timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
-        imp = await self._reserve_queued(lambda: KVImport.reserve(
+        imp = await self.page_wait.reserve(lambda: KVImport.reserve(
             self.engine, rid, ids, params, tenant, prompt_text=text, counters=self.imported,
             deadline_s=timeout_s), timeout_s, time_left_s)
         self.pending_imports += 1
         cause = "cancelled"
         call = None
         prefill_cached = 0
+        ring = None
         try:
+            budget = min(request.max_frame_bytes or DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES)
+            if self.transport == "auto" and request.prefill_target.startswith("unix:"):
+                ring = FrameRing.create(RING_SLOTS, budget + RING_SLACK_BYTES)  # one host
             call = self._stub(request.prefill_target).Prefill(
                 wpb.PrefillRequest(request_id=rid, tenant=tenant,
                                    token_ids=wpb.TokenIds(ids=ids), sampling=wreq.sampling,
                                    first_page=imp.first_page,
-                                   max_frame_bytes=request.max_frame_bytes),
+                                   max_frame_bytes=request.max_frame_bytes,
+                                   shm_ring=ring.name if ring is not None else ""),
                 timeout=timeout_s)
             try:
                 async for msg in call:
-                    if msg.HasField("frame"):
-                        await self.llm.call(lambda d=msg.frame: imp.accept(d))
+                    if msg.HasField("frame") or msg.HasField("shm_frame"):
+                        data = await self._frame_bytes(msg, ring, imp)
+                        await self.llm.call(lambda d=data: imp.accept(d))
                         continue
                     if msg.out.HasField("chunk") and msg.out.chunk.HasField("usage"):
                         prefill_cached = msg.out.chunk.usage.cached_tokens
@@ -217,57 +234,36 @@ class TransferService:
             self.pending_imports -= 1
             if call is not None:
                 call.cancel()  # a no-op once finished; frees the prefill side's pages otherwise
+            if ring is not None:
+                ring.close()
             self.llm.submit(lambda: imp.abort(cause))  # a no-op once committed or failed
 
 
-    async def _reserve_queued(self, reserve: Callable[[], KVImport], timeout_s: float,
-                              time_left_s: float | None) -> KVImport:
-        """The reservation, first come first served: while the pool lacks the pages, wait
-        until the caller's deadline (then DEADLINE_EXCEEDED), or for a caller without one
-        `timeout_s` (then OVERLOADED, retryable). Only the oldest waiter tries, and only once
-        the engine's last snapshot shows room, so a large prompt is not starved by smaller
-        ones behind it."""
-        started = time.monotonic()
-        bound_s = timeout_s if time_left_s is None else time_left_s
-        ticket = object()
-        self._waiting.append(ticket)
-        needed = 0
-        refused = KVPoolExhausted("no KV pages free for this request's import")
+    async def _frame_bytes(self, msg: wpb.PrefillResponse, ring: FrameRing | None,
+                           imp: KVImport) -> bytes:
+        """A frame as sent: in the stream, or copied out of the shared-memory ring."""
+        if msg.HasField("frame"):
+            return msg.frame
         try:
-            while True:
-                if self._waiting[0] is ticket and self._room() >= needed:
-                    try:
-                        return await self._reserve(reserve)
-                    except KVPoolExhausted as e:
-                        needed = int(e.metadata.get("needed_pages", 1))
-                        refused = e
-                if time.monotonic() - started >= bound_s:
-                    if time_left_s is not None:
-                        raise DeadlineExceeded("the deadline passed while this request waited "
-                                               "for free KV pages on the decode side")
-                    refused.metadata["retry_after_s"] = "1"
-                    raise refused
-                await asyncio.sleep(RESERVE_POLL_S)
-        finally:
-            self._waiting.remove(ticket)
+            if ring is None:
+                raise FrameError("a ring frame, but no ring was offered")
+            data = ring.take(msg.shm_frame.slot, msg.shm_frame.nbytes)
+        except FrameError as e:
+            detail = str(e)
+            await self.llm.call(lambda: imp.reject("sequence", detail))
+            raise AssertionError("unreachable") from None
+        self.imported.shm_frames += 1
+        return data
 
-    def _room(self) -> int:
-        """Pages a reservation could take now, as of the engine's last published pass."""
-        stats = self.llm.snapshot.stats
-        return stats.num_free_pages + stats.num_evictable_pages
 
-    async def _reserve(self, reserve: Callable[[], KVImport]) -> KVImport:
-        """The reservation, made on the engine thread. NOTE: a caller cancelled while it is
-        being made must not leak it: the call runs on, shielded, and what it took is freed."""
-        fut = asyncio.ensure_future(self.llm.call(reserve))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            def free(f: asyncio.Future) -> None:
-                if not f.cancelled() and f.exception() is None:
-                    self.llm.submit(f.result().abort)
-            fut.add_done_callback(free)
-            raise
+def _attach(name: str) -> FrameRing | None:
+    """The receiver's ring, or None (none offered, or not on this host: use the stream)."""
+    if not name:
+        return None
+    try:
+        return FrameRing.attach(name)
+    except OSError:
+        return None
 
 
 def _sender_failure(e: grpc.aio.AioRpcError) -> tuple[str, Exception]:

@@ -247,6 +247,11 @@ class KVImport:
             self.state = "failed"
             self.counters.failures[cause] += 1
 
+    def reject(self, cause: str, detail: str) -> NoReturn:
+        """Fail the transfer as an untrusted frame does (a frame that could not be read off
+        its transport): pages freed, KV_INTEGRITY_VIOLATION raised."""
+        self._fail(cause, detail)
+
     def _fail(self, cause: str, detail: str) -> NoReturn:
         self._release()
         self.state = "failed"

@@ -61,8 +61,9 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def runner() -> Iterator[GatewayRunner]:
-    """`pd`: one prefill worker and one decode worker (BF16 KV both); `pd8`: one decode worker
-    with FP8 KV (served colocated by the gateway; its disaggregated path is driven directly)."""
+    """`pd`: one prefill worker and one decode worker (BF16 KV both; frames through shared
+    memory); `pd8`: one decode worker with FP8 KV taking frames in the gRPC stream (served
+    colocated by the gateway; its disaggregated path is driven directly)."""
     common = dict(max_inflight=4, min_workers=1, max_workers=1)
     pools = [
         PoolConfig(PD, role="prefill", kv_cache_bytes=32 << 20, worker_args=PREFILL_ARGS,
@@ -70,7 +71,7 @@ def runner() -> Iterator[GatewayRunner]:
         PoolConfig(PD, role="decode", kv_cache_bytes=DECODE_KV_BYTES, worker_args=BF16,
                    transfer_timeout_s=TRANSFER_TIMEOUT_S, **common),
         PoolConfig(PD8, role="decode", kv_cache_bytes=DECODE_KV_BYTES,
-                   worker_args=("--kv-cache-dtype", "fp8"), **common),
+                   worker_args=("--kv-cache-dtype", "fp8", "--kv-transport", "grpc"), **common),
     ]
     keys = ApiKeys.parse(",".join(f"{k}={t}" for t, k in KEYS.items()))
     r = GatewayRunner(pools, keys).start()
@@ -146,6 +147,9 @@ def test_greedy_disaggregated_bf16_is_token_identical_to_colocated(runner, clien
     assert s["decode"].imported.transfers >= len(PROMPTS) == s["prefill"].exported.transfers
     assert s["decode"].role == "decode" and s["prefill"].role == "prefill"
     assert s["decode"].imported.failures == {} and s["decode"].imported.bytes > 0
+    # one host: the frames went through the shared-memory ring, the same frames and checks
+    assert s["decode"].imported.shm_frames == s["decode"].imported.frames
+    assert s["prefill"].exported.shm_frames == s["decode"].imported.shm_frames > 0
     assert_idle(runner)
 
 
@@ -163,7 +167,8 @@ def test_fp8_decode_side_matches_colocated_fp8(runner) -> None:
     print(f"\nbf16 -> fp8 import vs colocated fp8 over processes: {sum(same)}/{len(same)} "
           "prompts token-identical over 8 tokens")
     assert sum(same) >= len(same) // 2
-    assert _statuses(runner)["decode8"].imported.transfers >= len(PROMPTS)
+    s = _statuses(runner)["decode8"]
+    assert s.imported.transfers >= len(PROMPTS) and s.imported.shm_frames == 0  # in-stream
     assert_idle(runner)
 
 

@@ -1,4 +1,4 @@
-"""The decode side's wait for KV pages (gateway/transfer.py) on the real engine, in process:
+"""The decode side's wait for KV pages (gateway/page_wait.py) on the real engine, in process:
 first come first served, ended by the caller's deadline (DEADLINE_EXCEEDED) or, without one,
 by the transfer timeout (OVERLOADED, retryable); a waiter holds nothing."""
 
@@ -8,9 +8,8 @@ import asyncio
 
 import pytest
 
-from gateway import wire
 from gateway.errors import DeadlineExceeded, retry_delay_s
-from gateway.transfer import TransferService
+from gateway.page_wait import PageWait
 from runtime.async_engine import AsyncLLM
 from runtime.disagg.importer import KVImport
 from runtime.errors import KVPoolExhausted
@@ -23,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 def test_imports_wait_for_pages_in_arrival_order(engine, one_torch_thread):
     llm = AsyncLLM(engine)
-    service = TransferService(llm, wire.ServedInfo("m", "r", "", "", "", "", "w"), "decode")
+    wait = PageWait(llm)
     pool = engine.pool
     ids = engine.tokenizer.encode("queued for pages " * 12)  # a few pages
 
@@ -39,21 +38,21 @@ def test_imports_wait_for_pages_in_arrival_order(engine, one_torch_thread):
         hog = await llm.call(hog_all)
         # without a deadline: OVERLOADED after the transfer timeout, retryable, nothing held
         with pytest.raises(KVPoolExhausted) as info:
-            await service._reserve_queued(reserve("a"), 0.2, None)
+            await wait.reserve(reserve("a"), 0.2, None)
         assert retry_delay_s(info.value) == 1.0
         with pytest.raises(DeadlineExceeded):
-            await service._reserve_queued(reserve("b"), 60, 0.2)
-        assert service.waiting_imports == 0
+            await wait.reserve(reserve("b"), 60, 0.2)
+        assert wait.waiting == 0
         # two waiters; pages come back: the older one is served first
-        first = asyncio.create_task(service._reserve_queued(reserve("c"), 60, 30))
+        first = asyncio.create_task(wait.reserve(reserve("c"), 60, 30))
         await asyncio.sleep(0.1)
-        second = asyncio.create_task(service._reserve_queued(reserve("d"), 60, 30))
+        second = asyncio.create_task(wait.reserve(reserve("d"), 60, 30))
         await asyncio.sleep(0.1)
-        assert service.waiting_imports == 2 and not first.done()
+        assert wait.waiting == 2 and not first.done()
         need = pool.pages_for_tokens(len(ids))
         await llm.call(lambda: [pool.release(hog.pop()) for _ in range(need)])
         imp = await asyncio.wait_for(first, 10)
-        assert imp.request_id == "c" and not second.done() and service.waiting_imports == 1
+        assert imp.request_id == "c" and not second.done() and wait.waiting == 1
         await llm.call(lambda: [pool.release(r) for r in hog])
         later = await asyncio.wait_for(second, 10)
         for done in (imp, later):
