@@ -192,7 +192,7 @@ class TransferService:
         try:
             budget = min(request.max_frame_bytes or DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES)
             if self.transport == "auto" and request.prefill_target.startswith("unix:"):
-                ring = FrameRing.create(RING_SLOTS, budget + RING_SLACK_BYTES)  # one host
+                ring = _ring(budget + RING_SLACK_BYTES)  # one host
             call = self._stub(request.prefill_target).Prefill(
                 wpb.PrefillRequest(request_id=rid, tenant=tenant,
                                    token_ids=wpb.TokenIds(ids=ids), sampling=wreq.sampling,
@@ -254,6 +254,14 @@ class TransferService:
             raise AssertionError("unreachable") from None
         self.imported.shm_frames += 1
         return data
+
+
+def _ring(slot_bytes: int) -> FrameRing | None:
+    """A new ring for one transfer, or None when shared memory is short (use the stream)."""
+    try:
+        return FrameRing.create(RING_SLOTS, slot_bytes)
+    except OSError:
+        return None
 
 
 def _attach(name: str) -> FrameRing | None:

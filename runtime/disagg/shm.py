@@ -12,6 +12,7 @@ dies); the sender never does. Torch-free.
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 from multiprocessing import resource_tracker, shared_memory
@@ -31,10 +32,20 @@ class FrameRing:
 
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> FrameRing:
-        """A new ring of `slots` x `slot_bytes` (the receiver's side)."""
+        """A new ring of `slots` x `slot_bytes` (the receiver's side). Raises OSError when
+        shared memory cannot hold it now (the caller then uses the stream)."""
         if slots < 1 or slot_bytes < 1:
             raise ValueError("a ring needs at least one slot of one byte")
-        shm = shared_memory.SharedMemory(create=True, size=_HEADER_BYTES + slots * slot_bytes)
+        size = _HEADER_BYTES + slots * slot_bytes
+        shm = shared_memory.SharedMemory(create=True, size=size)
+        try:
+            # NOTE: backed now, or refused now: a write into a sparse segment of a full tmpfs
+            # would kill the sender with SIGBUS mid-transfer.
+            os.posix_fallocate(shm._fd, 0, size)  # type: ignore[attr-defined]
+        except OSError:
+            shm.close()
+            shm.unlink()
+            raise
         _HEADER.pack_into(shm.buf, 0, 0, slots, slot_bytes)
         return cls(shm, owner=True)
 
