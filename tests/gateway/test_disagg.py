@@ -29,11 +29,13 @@ from gateway.client import (
     Client,
     DeadlineExceeded,
     KVIntegrityViolation,
+    Stream,
     Unavailable,
     WorkerLost,
 )
 from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
+from runtime.errors import RequestCancelled
 from tests.gateway.conftest import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -256,16 +258,20 @@ def test_decode_worker_holding_the_prefix_imports_only_what_it_lacks(runner, cli
 
 @pytest.mark.parametrize("stage", ["prefill", "transfer", "decode"])
 def test_client_leaving_at_each_stage_frees_both_sides(runner, stage) -> None:
-    """prefill: `carol`'s request is held after its prefill, before the first token, until its
-    deadline passes; transfer: `bob`'s sender stalls after the first token, so leaving then
-    leaves mid-transfer; decode: leaving after the first tokens of a long output."""
-    if stage == "prefill":
-        held = _in_thread(runner, "carol", PROMPTS[0], 4, timeout_s=4)
-        wait_for(lambda: _held_on_both_sides(_statuses(runner)), 30,
-                 "both sides holding the request")
-        held.thread.join(60)
-        assert isinstance(held.error, DeadlineExceeded), held.error
-        assert_idle(runner)
+    """prefill: `carol`'s request is held after its prefill, before the first token, with
+    pages on both sides, until the client cancels it (or its deadline passes); transfer:
+    `bob`'s sender stalls after the first token, so leaving then leaves mid-transfer; decode:
+    leaving after the first tokens of a long output."""
+    if stage == "prefill":  # the client cancels; then another's deadline passes there
+        for timeout_s, error in ((None, RequestCancelled), (2.0, DeadlineExceeded)):
+            held = _in_thread(runner, "carol", PROMPTS[0], 4, timeout_s=timeout_s)
+            wait_for(lambda: _held_on_both_sides(_statuses(runner)), 30,
+                     "both sides holding the request")
+            if timeout_s is None:
+                held.stream.cancel()
+            held.thread.join(60)
+            assert isinstance(held.error, error) and not held.tokens, held.error
+            assert_idle(runner)
         return
     key = "bob" if stage == "transfer" else "acme"
     with Client(runner.target, api_key=KEYS[key], retry=NO_RETRY) as c:
@@ -295,6 +301,7 @@ class _Outcome:
         self.error: Exception | None = None
         self.first_token = threading.Event()
         self.thread = threading.Thread(target=lambda: None)
+        self.stream: Stream | None = None
 
 
 def _in_thread(runner: GatewayRunner, key: str, prompt: str, max_tokens: int,
@@ -303,9 +310,10 @@ def _in_thread(runner: GatewayRunner, key: str, prompt: str, max_tokens: int,
 
     def run() -> None:
         with Client(runner.target, api_key=KEYS[key], retry=NO_RETRY) as c:
+            outcome.stream = c.generate(prompt, model=PD, max_tokens=max_tokens,
+                                        timeout_s=timeout_s, **GREEDY)
             try:
-                for chunk in c.generate(prompt, model=PD, max_tokens=max_tokens,
-                                        timeout_s=timeout_s, **GREEDY):
+                for chunk in outcome.stream:
                     outcome.tokens += chunk.token_ids
                     outcome.first_token.set()
             except Exception as e:
