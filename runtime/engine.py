@@ -137,7 +137,8 @@ class LLMEngine:
         # NOTE: tensor-parallel ranks shard dense weights: blocks are served on one rank only.
         if self.tp is None and serves_as_stored(self.config.gguf_weights, self.checkpoint,
                                                 self.formats, self.dtype, self.device):
-            load_gguf_as_stored(model, self.checkpoint, self.dtype)  # type: ignore[arg-type]
+            load_gguf_as_stored(model, self.checkpoint, self.dtype,  # type: ignore[arg-type]
+                                self.config.gguf_activations)
             base = model.to(self.device).eval()
             return base, base
         stored = self.checkpoint.quantization
