@@ -41,18 +41,28 @@ void decode_attention(const float* q, const T* k, const T* v, const c10::BFloat1
       float* rw = row.data();
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = (h * pages + pt[t / page_size]) * page_size + t % page_size;
-        load_row(k + slot * dim, rw, dim);
+        const float* kr = rw;
+        if constexpr (std::is_same_v<T, float>) {
+          kr = k + slot * dim;  // float pages are read in place, not copied
+        } else {
+          load_row(k + slot * dim, rw, dim);
+        }
         const float ks = k_scale ? bf16_to_float(k_scale[slot]) * scale : scale;
-        for (int64_t g = 0; g < group; ++g) pr[g * len + t] = dot(qg + g * dim, rw, dim) * ks;
+        for (int64_t g = 0; g < group; ++g) pr[g * len + t] = dot(qg + g * dim, kr, dim) * ks;
       }
       for (int64_t g = 0; g < group; ++g) softmax_inplace(pr + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.0f);
       float* ac = acc.data();
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = (h * pages + pt[t / page_size]) * page_size + t % page_size;
-        load_row(v + slot * dim, rw, dim);
+        const float* vr = rw;
+        if constexpr (std::is_same_v<T, float>) {
+          vr = v + slot * dim;
+        } else {
+          load_row(v + slot * dim, rw, dim);
+        }
         const float vs = v_scale ? bf16_to_float(v_scale[slot]) : 1.0f;
-        for (int64_t g = 0; g < group; ++g) axpy(pr[g * len + t] * vs, rw, ac + g * dim, dim);
+        for (int64_t g = 0; g < group; ++g) axpy(pr[g * len + t] * vs, vr, ac + g * dim, dim);
       }
       if (hadamard)
         for (int64_t g = 0; g < group; ++g) fwht_inplace(ac + g * dim, dim);

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from kernels.norm import add_rms_norm
 from runtime.config import ModelConfig
 from runtime.context import get_forward_context
 from runtime.errors import ModelLoadError
@@ -23,6 +24,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: torch's own kernel: one op instead of six, bit-equal in float32 on CPU.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """x += delta in place (the residual stream; nothing when delta is None), then
+        normalize x: one fused op on CPU (kernels.norm)."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
