@@ -6,16 +6,16 @@
 //   Q4 (GGUF Q4_0/Q4_1 planes, group 32, fp16 d and m):  sum_j (d q_j + m) dx x_j
 //        = d dx dot(q, xq) + m dx sum(xq)          (codes q are unsigned: vpdpbusd as is)
 //   Q8 (GGUF Q8_0, fp16 d):  d dx dot(w, xq), w signed: (w ^ 0x80) = w + 128 as u8, and the
-//        accumulator starts at -128 * (sum of the lane's four xq), so the int32 dot is exact.
+//        accumulator starts at -128 * (sum of the 8 xq its lane meets): the int32 dot is exact.
 //
 // The only error against the fp32 kernel is x's rounding to int8 (the weights are used as
-// stored); kernels/qgemv.py's `ref_q4_linear_i8` / `ref_q8_linear_i8` are the twins.
-// x's quantized copy is laid out for the weights it meets (no shuffles in the inner loop):
-//   Q4: per quad of blocks, 128 bytes: the low-nibble halves (weights 0..15) of the 4 blocks,
-//       then the high-nibble halves; one 64-byte load of 4 weight blocks then needs only a
-//       mask (low nibbles) and a shift + mask (high) to meet it. Lane l of the int32 dot
-//       belongs to block 4 * quad + l / 4.
-//   Q8: natural order; lane l of a pair's dot belongs to block 2 * pair + l / 8.
+// stored); kernels/qgemv_i8.py's `ref_q4_linear_i8` / `ref_q8_linear_i8` are the twins.
+// x's quantized copy is laid out for the weights it meets (kernel-private, rebuilt per call):
+// per quad of blocks, 128 bytes, the first halves (weights 0..15) of the 4 blocks, then their
+// second halves. Q4 weights need only a mask (low nibbles = first halves) and a shift + mask
+// (high nibbles) of one 64-byte load to meet it; Q8 weights two 8-byte-lane permutes of two
+// loads. Lane l of each int32 dot then belongs to block 4 u + l / 4, four lanes a block, so
+// one float convert + scale serves 4 blocks.
 // Built only where the compiler targets AVX-512 VNNI; `int8_kernels()` says whether it did.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
