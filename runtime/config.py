@@ -143,9 +143,10 @@ class EngineConfig:
     # GGUF files: serve Q4_0/Q4_1/Q8_0 tensors as stored ("stored"), dequantize them to the
     # compute dtype at load ("dequantize"), or "auto": stored where the C++ kernels run (CPU).
     gguf_weights: str = "auto"
-    # What blocks served as stored multiply on CPU: "int8" (x rounded per block of 32, VNNI
-    # kernels), "float32" (exact up to summation order), "auto" (int8 where the CPU has them).
-    gguf_activations: str = "auto"
+    # What blocks served as stored multiply on CPU: "float32" (exact up to summation order, the
+    # default), "int8" (x rounded per block of 32 as llama.cpp does, VNNI kernels: faster, KL
+    # ~4e-3 nats against the dense model, ops/bench/RESULTS.md), "auto" (int8 where built).
+    gguf_activations: str = "float32"
     num_threads: int | None = None  # CPU compute threads; None: as the process has them
     # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).
     tensor_parallel_size: int = 1
