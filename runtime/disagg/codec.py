@@ -8,7 +8,10 @@ never leaves the sender.
 At import, a payload in the receiver's own format is copied byte for byte; any other format is
 decoded to float32 and written through `kernels.store_kv`, the same op the model writes KV
 with, so FP8 pages imported from fp32 KV are bit-identical to FP8 pages the decode engine
-would have written itself from the same values.
+would have written itself from the same values. FP8 pages hold Hadamard-rotated K/V where the
+spec says so (`KVCacheSpec.hadamard`): an FP8 payload is rotated back after decoding, and
+`store_kv` rotates what it writes into the receiver's rotated pages. Both ends run one build, so
+an FP8 payload copied byte for byte is rotated on both sides or on neither.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from kernels import dequantize_fp8_kv, store_kv
-from runtime.kv.cache import KVCache, KVCacheSpec
+from kernels.hadamard import fwht
+from runtime.kv.cache import KVCache, KVCacheSpec, fp8_pages_rotated
 
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.uint8}
@@ -94,8 +98,10 @@ def _write_layer(cache: KVCache, layer: int, src_format: str, k: torch.Tensor, v
     if src_format == "fp8":
         assert ks is not None and vs is not None
         kf, vf = dequantize_fp8_kv(k, ks), dequantize_fp8_kv(v, vs)
+        if fp8_pages_rotated(dim, spec.latent):  # the sender's pages held the rotated rows
+            kf, vf = fwht(kf), fwht(vf)
     else:
         kf, vf = k.float(), v.float()
     # store_kv takes [tokens, kv_heads, dim]
     store_kv(kf.to(dev).transpose(0, 1).contiguous(), vf.to(dev).transpose(0, 1).contiguous(),
-             kv.k, kv.v, slots, kv.k_scale, kv.v_scale)
+             kv.k, kv.v, slots, kv.k_scale, kv.v_scale, kv.hadamard)

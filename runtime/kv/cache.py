@@ -7,12 +7,11 @@ on CPU; GPU kernels index pages directly and do not care.
 FP8 (e4m3) pages hold the raw bytes as uint8 (index_copy_ and index_select work on them on
 every device) plus one bf16 scale per (token, KV head) in a parallel [kv_heads, pages,
 page_size] tensor: the scale lives beside its page, so a page is moved, verified or freed as
-one unit (see kernels/fp8.py for why per token per head). With `ROTATE_FP8_KV` (off, see
-there), FP8 K/V pages of a power-of-two head_dim hold the Walsh-Hadamard rotation of each
-K and V vector (QuaRot's online Hadamard,
-`kernels/hadamard.py`): the same bytes, ~27% less KL divergence than the unrotated format
-on held-out text (ops/bench/RESULTS.md, issue 17); the attention kernels undo it. MLA latent
-pages are never rotated.
+one unit (see kernels/fp8.py for why per token per head). With `ROTATE_FP8_KV` (on), FP8 K/V
+pages of a power-of-two head_dim hold the Walsh-Hadamard rotation of each K and V vector
+(QuaRot's online Hadamard, `kernels/hadamard.py`): the same bytes, ~27% less KL divergence
+than the unrotated format on held-out text (ops/bench/RESULTS.md, issue 17); the attention
+kernels undo it. MLA latent pages are never rotated.
 
 MLA models (DeepSeek-V3) cache one latent vector per token and layer (kv_lora_rank normalised
 latent, then the roped qk_rope_head_dim key part) instead of K and V per head: the same layout
@@ -36,12 +35,18 @@ from runtime.errors import InvalidArgument
 from runtime.formats import KVFormat, canonical_name
 from runtime.kv.budget import auto_kv_cache_bytes
 
-# NOTE: off until a known bug is fixed: with rotated pages, a prompt served from a prefix-cache
-# hit gets logits up to 0.38 away from the same prompt prefilled whole
-# (test_prompt_logits_last_row_is_what_generation_samples_from in
-# tests/runtime/test_kv_cache_dtype.py fails with it on); without a prefix hit both agree
-# to 2e-5. The kernels are tested on their own.
-ROTATE_FP8_KV = False
+# NOTE: a prompt served from a prefix-cache hit recomputes only its uncached tail, with GEMMs over
+# fewer rows that round differently (~1e-6); re-quantizing that tail's K/V to e4m3 can then land
+# a whole step away where a value or a row's bf16 scale sits at a rounding midpoint, so its
+# logits differ from a whole prefill's by up to ~0.4 (KL ~2e-3) on a few prompts in 10, rotated
+# or not (measured in tests/runtime/test_kv_cache_dtype.py; the ops agree to 1e-5 given the
+# same inputs, tests/kernels/test_rotated_prefix.py). It is not a rotation bug.
+ROTATE_FP8_KV = True
+
+def fp8_pages_rotated(head_dim: int, latent: bool = False) -> bool:
+    """Whether FP8 pages of this head size hold Hadamard-rotated K and V (never MLA latents)."""
+    return ROTATE_FP8_KV and not latent and kv_rotation_applies(head_dim)
+
 
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.uint8}
@@ -84,8 +89,7 @@ class KVCacheSpec:
     def hadamard(self) -> bool:
         """Whether pages hold Hadamard-rotated K and V (fp8 K/V pages, not MLA latent ones,
         with a power-of-two head_dim)."""
-        return (ROTATE_FP8_KV and self.is_fp8 and not self.latent
-                and kv_rotation_applies(self.head_dim))
+        return self.is_fp8 and fp8_pages_rotated(self.head_dim, self.latent)
 
     @property
     def bytes_per_token(self) -> int:
