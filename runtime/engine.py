@@ -20,6 +20,7 @@ from runtime.errors import (
 from runtime.grammar import GrammarCompiler
 from runtime.heap import release_free_heap
 from runtime.integrity import TRACKERS, Violation
+from runtime.kv import smoothing
 from runtime.kv.budget import auto_kv_cache_bytes
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
@@ -95,6 +96,12 @@ class LLMEngine:
                                       f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
             self.kv_cache = KVCache(spec, tp_pages, self.device)
             self.kv_cache.budget_bytes = budget
+        if smoothing.SMOOTH_FP8_KEYS and spec.is_fp8 and not spec.latent and self.tp is None:
+            self.kv_cache.key_smoothing = smoothing.calibrate_key_smoothing(
+                self.prefill_model, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                smoothing.calibration_windows(
+                    lambda text: self.tokenizer.encode(text, add_special_tokens=False)),
+                self.device)
         num_pages, self.kv_cache_budget_bytes = self.kv_cache.num_pages, self.kv_cache.budget_bytes
         self.pool = PagePool(num_pages, config.page_size)
         self.max_model_len = min(self.model_config.max_position_embeddings,

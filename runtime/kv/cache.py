@@ -34,6 +34,7 @@ from runtime.config import ModelConfig
 from runtime.errors import InvalidArgument
 from runtime.formats import KVFormat, canonical_name
 from runtime.kv.budget import auto_kv_cache_bytes
+from runtime.kv.smoothing import KeySmoothing
 
 # NOTE: a prompt served from a prefix-cache hit recomputes only its uncached tail, with GEMMs over
 # fewer rows that round differently (~1e-6); re-quantizing that tail's K/V to e4m3 can then land
@@ -116,6 +117,11 @@ class LayerKV(NamedTuple):
     k_scale: torch.Tensor | None  # [kv_heads, pages, page_size] bf16
     v_scale: torch.Tensor | None
     hadamard: bool = False
+    # [kv_heads, dim] float32 or None: keys are stored as (k - k_shift) / k_channel_scale and
+    # queries multiplied by k_channel_scale (runtime/kv/smoothing.py)
+    k_shift: torch.Tensor | None = None
+    k_channel_scale: torch.Tensor | None = None
+    v_channel_scale: torch.Tensor | None = None
 
 
 class KVCache:
@@ -130,6 +136,9 @@ class KVCache:
             self.v = _zeros(shape, spec.storage_dtype, device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        # fp8 K/V pages: keys stored as (k - shift) / scale, read by q * scale
+        # (runtime/kv/smoothing.py: KeySmoothing, [layers, kv_heads, head_dim]); None: plain.
+        self.key_smoothing: KeySmoothing | None = None
         if spec.is_fp8:
             self.k_scale = _zeros(shape[:-1], torch.bfloat16, device)
             if not spec.latent:
@@ -158,8 +167,10 @@ class KVCache:
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]
 
+        smooth = (None,) * 3 if self.key_smoothing is None else tuple(
+            t[index] for t in self.key_smoothing)
         return LayerKV(self.k[index], pick(self.v), pick(self.k_scale), pick(self.v_scale),
-                       self.spec.hadamard)
+                       self.spec.hadamard, *smooth)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -83,27 +83,65 @@ def test_prefix_hit_tail_reads_what_a_whole_prefill_reads(use_native, hadamard, 
     torch.testing.assert_close(tail, whole[CACHED:], atol=1e-5, rtol=1e-5)
 
 
+def _smoothing(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A key shift, key channel scale and value channel scale, [kv_heads, dim] each."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(KV_HEADS, DIM, generator=gen) * 3,
+            torch.rand(KV_HEADS, DIM, generator=gen) * 2 + 0.3,
+            torch.rand(KV_HEADS, DIM, generator=gen) * 2 + 0.3)
+
+
+@pytest.mark.parametrize("smoothed", [True, False], ids=["smoothed", "unsmoothed"])
 @pytest.mark.parametrize("hadamard", [True, False], ids=["rotated", "plain"])
-def test_cpp_and_twin_store_the_same_bytes_and_read_the_same_attention(hadamard):
+def test_cpp_and_twin_store_the_same_bytes_and_read_the_same_attention(hadamard, smoothed):
     if native() is None:
         pytest.skip("no C++ toolchain: nothing to compare the twins with")
     tokens = CACHED + 3
     q, k, v = _case(tokens, seed=7)
+    shift, k_div, v_div = _smoothing(3) if smoothed else (None, None, None)
     page_ids = torch.tensor([4, 1, 6, 2])
     caches = []
     for store in (store_kv, ref_store_kv):
         kc, vc, ks, vs = _empty_pages(8)
-        store(k, v, kc, vc, _slots(page_ids, 0, tokens), ks, vs, hadamard)
+        store(k, v, kc, vc, _slots(page_ids, 0, tokens), ks, vs, hadamard, shift, k_div, v_div)
         caches.append((kc, vc, ks, vs))
     for a, b in zip(*caches, strict=True):
         assert torch.equal(a, b)
     kc, vc, ks, vs = caches[0]
     lens = torch.tensor([tokens])
     got = paged_decode_attention(q[-1:], kc, vc, page_ids[None], lens, DIM**-0.5, ks, vs,
-                                 hadamard)
+                                 hadamard, k_div, v_div)
     want = ref_paged_decode_attention(q[-1:], kc, vc, page_ids[None], lens, DIM**-0.5, ks, vs,
-                                      hadamard)
+                                      hadamard, k_div, v_div)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    whole = paged_prefill_attention(q, kc, vc, page_ids, tokens, None, DIM**-0.5, ks, vs,
+                                    hadamard, k_div, v_div)
+    torch.testing.assert_close(whole[-1:], got, atol=1e-5, rtol=1e-5)
+
+
+def test_smoothed_fp8_attention_is_attention_over_the_original_keys_and_values():
+    """(k - shift) / s read by q * s, v / t read back times t: the float32 answer up to e4m3
+    (a missing factor anywhere gives a relative error near 1); the keys' mean as the shift
+    halves the error on keys with a constant part."""
+    tokens = CACHED + 3
+    q, k, v = _case(tokens, seed=11)
+    k = k + torch.randn(DIM, generator=torch.Generator().manual_seed(2)) * 6
+    page_ids = torch.tensor([4, 1, 6, 2])
+    exact_pages = [torch.zeros(KV_HEADS, 8, PAGE, DIM) for _ in range(2)]
+    ref_store_kv(k, v, *exact_pages, _slots(page_ids, 0, tokens))
+    exact = ref_paged_prefill_attention(q, *exact_pages, page_ids, tokens, None, DIM**-0.5)
+
+    def error(shift, k_div, v_div) -> float:
+        kc, vc, ks, vs = _empty_pages(8)
+        store_kv(k, v, kc, vc, _slots(page_ids, 0, tokens), ks, vs, True, shift, k_div, v_div)
+        got = paged_prefill_attention(q, kc, vc, page_ids, tokens, None, DIM**-0.5, ks, vs,
+                                      True, k_div, v_div)
+        return float((got - exact).norm() / exact.norm())
+
+    _, k_div, v_div = _smoothing(5)
+    unsmoothed = error(None, None, None)
+    assert error(k.mean(0), None, None) < 0.5 * unsmoothed
+    assert error(k.mean(0), k_div, v_div) < 0.1
 
 
 def test_scale_tie_makes_requantization_discontinuous():

@@ -10,11 +10,17 @@ import torch
 from kernels import store_kv
 from kernels.hadamard import fwht
 from runtime.disagg import frames as wire
-from runtime.disagg.codec import gather_payload, token_bytes_per_layer, write_payload
+from runtime.disagg.codec import (
+    gather_payload,
+    smoothing_bytes_per_layer,
+    token_bytes_per_layer,
+    write_payload,
+)
 from runtime.disagg.export import _chunks
 from runtime.formats import KVFormat
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PageAccountingError, PagePool
+from runtime.kv.smoothing import KeySmoothing
 
 
 def _frame() -> wire.Frame:
@@ -102,7 +108,8 @@ def _fill(cache: KVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     vs = torch.randn(3, n, 2, 8)
     for layer in range(3):
         kv = cache.layer(layer)
-        store_kv(ks[layer], vs[layer], kv.k, kv.v, slots, kv.k_scale, kv.v_scale, kv.hadamard)
+        store_kv(ks[layer], vs[layer], kv.k, kv.v, slots, kv.k_scale, kv.v_scale, kv.hadamard,
+                 kv.k_shift, kv.k_channel_scale, kv.v_channel_scale)
     return ks, vs
 
 
@@ -117,7 +124,8 @@ def test_import_equals_the_decode_side_writing_the_same_values_itself(src, dst):
         c.k.fill_(0x7F if c.spec.is_fp8 else float("nan"))
     _fill(sender, src_slots)
     payload = gather_payload(sender, (0, 3), src_slots)
-    assert len(payload) == 3 * 7 * token_bytes_per_layer(src, 2, 8)
+    assert len(payload) == 3 * (7 * token_bytes_per_layer(src, 2, 8)
+                                + smoothing_bytes_per_layer(src, 2, 8))
     write_payload(receiver, payload, src, (0, 3), dst_slots)
     # The reference: the values as the sender holds them, written by the receiver's own op.
     for layer in range(3):
@@ -146,12 +154,26 @@ def test_import_equals_the_decode_side_writing_the_same_values_itself(src, dst):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def _smoothed(cache: KVCache, seed: int) -> KVCache:
+    if cache.spec.is_fp8:
+        gen = torch.Generator().manual_seed(seed)
+        cache.key_smoothing = KeySmoothing(torch.randn(3, 2, 8, generator=gen) * 4,
+                                           torch.rand(3, 2, 8, generator=gen) + 0.5,
+                                           torch.rand(3, 2, 8, generator=gen) + 0.5)
+    return cache
+
+
 @pytest.mark.parametrize(("src", "dst"), [("fp8", "fp32"), ("fp32", "fp8"), ("fp8", "fp8")])
-def test_imported_kv_reads_back_as_the_values_the_sender_wrote(src, dst):
-    """Through rotated FP8 pages on either side: what the receiver's attention would read (pages
-    decoded, rotated back) is the sender's K/V within e4m3 rounding, never a rotated copy."""
+@pytest.mark.parametrize("smoothing", ["none", "same", "different"])
+def test_imported_kv_reads_back_as_the_values_the_sender_wrote(src, dst, smoothing):
+    """Through rotated (and smoothed) FP8 pages on either side: what the receiver's attention
+    would read (pages decoded, rotated back, smoothing undone) is the sender's K/V within e4m3
+    rounding, never a rotated or shifted copy."""
     src_slots, dst_slots = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([12, 13, 14, 15, 0])
     sender, receiver = _cache(src), _cache(dst)
+    if smoothing != "none":
+        _smoothed(sender, 0)
+        _smoothed(receiver, 0 if smoothing == "same" else 1)
     assert sender.spec.hadamard or receiver.spec.hadamard  # rotation is on for fp8 pages
     ks, vs = _fill(sender, src_slots)
     write_payload(receiver, gather_payload(sender, (0, 3), src_slots), src, (0, 3), dst_slots)
@@ -164,7 +186,16 @@ def test_imported_kv_reads_back_as_the_values_the_sender_wrote(src, dst):
 
                 got = dequantize_fp8_kv(got, scale.view(2, -1)[:, dst_slots])
                 got = fwht(got) if kv.hadamard else got
-            err = (got.transpose(0, 1) - want).norm(dim=-1) / want.norm(dim=-1)
+                if kv.k_shift is not None:  # undo the receiver's own smoothing
+                    if pages is kv.k:
+                        got = got * kv.k_channel_scale[:, None] + kv.k_shift[:, None]
+                    else:
+                        got = got * kv.v_channel_scale[:, None]
+            # what e4m3 rounded: the row, or the row minus a shift (either side's)
+            size = want.norm(dim=-1) + sum(c.key_smoothing.shift[layer].norm(dim=-1)
+                                           for c in (sender, receiver)
+                                           if c.key_smoothing is not None and pages is kv.k)
+            err = (got.transpose(0, 1) - want).norm(dim=-1) / size
             assert float(err.max()) < 0.1  # e4m3 (3 mantissa bits); a rotated copy: ~1
 
 
