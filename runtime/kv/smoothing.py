@@ -36,11 +36,20 @@ CALIBRATION_WINDOW_TOKENS = 256
 
 def calibration_windows(encode, windows: int = CALIBRATION_WINDOWS,
                         window_tokens: int = CALIBRATION_WINDOW_TOKENS) -> list[list[int]]:
-    """`windows` runs of `window_tokens` ids, evenly spaced over the pydoc topics text."""
+    """`windows` runs of `window_tokens` ids from the pydoc topics, each starting at a topic
+    evenly spaced over their sorted names."""
     topics = pydoc_data.topics.topics
-    ids = encode("\n\n".join(topics[k] for k in sorted(topics)))
-    step = max(len(ids) // windows, window_tokens)
-    return [ids[i * step : i * step + window_tokens] for i in range(windows)]
+    names = sorted(topics)
+    # NOTE: tokenize only a few kB per window (the whole text is ~1 MB: seconds to encode)
+    out = []
+    for i in range(windows):
+        first, text = i * len(names) // windows, ""
+        for name in names[first:]:
+            text += topics[name] + "\n\n"
+            if len(text) >= window_tokens * 8:  # ~4 characters a token: twice enough
+                break
+        out.append(encode(text)[:window_tokens])
+    return out
 
 
 class KeySmoothing(NamedTuple):
