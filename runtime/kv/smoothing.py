@@ -28,6 +28,8 @@ from runtime.context import AttentionMetadata, ForwardContext, PrefillSlice, for
 SMOOTH_FP8_KEYS = True
 SCALE_FP8_KEYS = True
 SCALE_FP8_VALUES = True
+KEY_SCALE_STRENGTH = 0.5  # key scale (rms k / rms q) ** strength; 0.5 balances the two
+VALUE_SCALE_STRENGTH = 0.5  # value scale (rms v) ** strength
 
 # Windows of calibration tokens (position 0 of each, the attention sink, is left out of the mean).
 CALIBRATION_WINDOWS = 2
@@ -115,10 +117,10 @@ def calibrate_key_smoothing(model: nn.Module, num_layers: int, num_kv_heads: int
     if SCALE_FP8_KEYS:
         k_rms = (k_sq / count - shift.square()).clamp_min(0).sqrt()
         q_rms = (q_sq / count).sqrt()
-        ratio = (k_rms.clamp_min(1e-6) / q_rms.clamp_min(1e-6)).sqrt()
+        ratio = (k_rms.clamp_min(1e-6) / q_rms.clamp_min(1e-6)).pow(KEY_SCALE_STRENGTH)
         scale = ratio / ratio.log().mean(-1, keepdim=True).exp()
     v_scale = torch.ones(shape, dtype=torch.float64)
     if SCALE_FP8_VALUES:
-        v_root_rms = (v_sq / count).clamp_min(1e-12).sqrt().sqrt()
+        v_root_rms = (v_sq / count).clamp_min(1e-12).sqrt().pow(VALUE_SCALE_STRENGTH)
         v_scale = v_root_rms / v_root_rms.log().mean(-1, keepdim=True).exp()
     return KeySmoothing(*(t.float().to(device) for t in (shift, scale, v_scale)))
