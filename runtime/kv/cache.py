@@ -34,7 +34,6 @@ from runtime.config import ModelConfig
 from runtime.errors import InvalidArgument
 from runtime.formats import KVFormat, canonical_name
 from runtime.kv.budget import auto_kv_cache_bytes
-from runtime.kv.smoothing import KeySmoothing
 
 # NOTE: a prompt served from a prefix-cache hit recomputes only its uncached tail, with GEMMs over
 # fewer rows that round differently (~1e-6); re-quantizing that tail's K/V to e4m3 can then land
@@ -106,6 +105,17 @@ class KVCacheSpec:
 
     def pages_in(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_page
+
+
+class KeySmoothing(NamedTuple):
+    """Smoothing of fp8 K/V pages (calibrated by runtime/kv/smoothing.py), per (layer, KV head,
+    channel), float32 [layers, kv_heads, head_dim]: keys are stored as (k - shift) / scale and
+    queries read them as q * scale, so q.k moves by q.shift alone; values are stored as
+    v / v_scale and the attention output read as o * v_scale."""
+
+    shift: torch.Tensor
+    scale: torch.Tensor
+    v_scale: torch.Tensor
 
 
 class LayerKV(NamedTuple):

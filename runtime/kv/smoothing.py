@@ -16,12 +16,13 @@ channel for the same outliers. The mean is calibrated on Python's own documentat
 from __future__ import annotations
 
 import pydoc_data.topics
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from runtime.context import AttentionMetadata, ForwardContext, PrefillSlice, forward_context
+from runtime.formats import KVFormat
+from runtime.kv.cache import KeySmoothing, KVCache, KVCacheSpec
 
 # NOTE: on for FP8 K/V pages (not MLA latents, not tensor-parallel engines): the quality gate's
 # numbers for it are in ops/bench/RESULTS.md (issue 17).
@@ -54,16 +55,6 @@ def calibration_windows(encode, windows: int = CALIBRATION_WINDOWS,
     return out
 
 
-class KeySmoothing(NamedTuple):
-    """Per (layer, KV head, channel), float32 [layers, kv_heads, head_dim]: keys are stored as
-    (k - shift) / scale and queries read them as q * scale, so q.k moves by q.shift alone;
-    values are stored as v / v_scale and the attention output read as o * v_scale."""
-
-    shift: torch.Tensor
-    scale: torch.Tensor
-    v_scale: torch.Tensor
-
-
 @torch.inference_mode()
 def calibrate_key_smoothing(model: nn.Module, num_layers: int, num_kv_heads: int,
                             head_dim: int, windows: list[list[int]],
@@ -76,8 +67,6 @@ def calibrate_key_smoothing(model: nn.Module, num_layers: int, num_kv_heads: int
     bounds the score error of a rotated row quantized with one amax scale (SmoothQuant's
     migration strength 0.5, Xiao et al. 2023, between queries and keys). Without
     SCALE_FP8_KEYS the scale is 1."""
-    from runtime.formats import KVFormat
-    from runtime.kv.cache import KVCache, KVCacheSpec
     from runtime.models.layers import PagedAttention
 
     shape = (num_layers, num_kv_heads, head_dim)
