@@ -81,6 +81,7 @@ class LLMEngine:
             checkpoint_format=checkpoint.quantization)
         self.tp = self._join_tensor_parallel()
         self.prefill_model, self.decode_model = self._build_models()
+        self.checkpoint.release_file_pages()  # the model holds its own copies now
         release_free_heap()  # the load's transient buffers, back to the OS before serving
         # NOTE: colocated, KV is written in the decode phase's format whoever writes it.
         spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.formats.kv)
@@ -320,6 +321,7 @@ class LLMEngine:
             for out in self.step():
                 if out.request_id == rid and out.error is not None:
                     raise out.error
+        release_free_heap()  # the grammar tokenizer's and the step's transient buffers
 
     def abort_request(self, request_id: str,
                       error: TesseraError | None = None) -> RequestOutput | None:
