@@ -28,6 +28,7 @@ from runtime.loader import Checkpoint, open_checkpoint
 from runtime.model_runner import ModelRunner
 from runtime.models import model_class
 from runtime.models.layout import use_column_major_weights
+from runtime.models.meta_init import meta_without_init
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.progress import progress
 from runtime.request_state import RequestState
@@ -131,7 +132,7 @@ class LLMEngine:
     def _build_models(self) -> tuple[torch.nn.Module, torch.nn.Module]:
         """The prefill and decode models: one object when both phases serve the same weights,
         else two sharing everything but the linear layers (both resident, both counted)."""
-        with torch.device("meta"):
+        with meta_without_init():
             model = model_class(self.model_config)(self.model_config)
         from runtime.loader.gguf_blocks import load_gguf_as_stored, serves_as_stored
 
