@@ -11,12 +11,14 @@ after the CPU's feature flags and the sources' contents. `TESSERA_NATIVE=0` turn
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,22 +60,65 @@ def native() -> Any | None:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         name = f"tessera_cpu_ops_{build_tag()}"
-        clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
-        return load(name, [str(_ROOT / s) for s in _SOURCES],
-                    extra_cflags=["-O3", *_arch_flags(), "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        with build_lock(build_dir):
+            sources = stage_sources(build_dir)
+            return load(name, [str(sources / s) for s in _SOURCES],
+                        extra_cflags=["-O3", *_arch_flags(), "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no C++ toolchain here: stay correct on the slower path
         log.warning("C++ CPU ops unavailable (%s); using the torch twins", e)
         return None
 
 
-# A build takes about a minute on 2 cores; a lock this old was left by a process killed mid-build.
+def stage_sources(build_dir: Path) -> Path:
+    """Copies the op sources into the build directory and returns where they are. The build is
+    named after the sources' contents, so two checkouts with the same sources share it; compiled
+    from their own paths they would rewrite each other's `build.ninja` and rebuild in turn."""
+    staged = build_dir / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for path in sorted(_ROOT.iterdir()):
+        if path.suffix not in (".cpp", ".h"):
+            continue
+        target = staged / path.name
+        data = path.read_bytes()
+        if not target.is_file() or target.read_bytes() != data:
+            tmp = target.with_suffix(target.suffix + f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+    return staged
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Holds an exclusive `flock` on the build directory while building or loading. The kernel
+    drops it when its holder dies, so whoever holds it knows that torch's own build lock, if one
+    is there, belongs to a builder that died mid-build: it is removed at once, where torch would
+    wait for it forever (and every worker started after it)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock here: fall back to judging torch's lock by its age
+        clear_stale_lock(build_dir)
+        yield
+        return
+    with open(build_dir / "tessera.flock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            clear_stale_lock(build_dir, max_age_s=0.0)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# Without flock, a build takes about a minute on 2 cores; a lock this old was left by a process
+# killed mid-build.
 STALE_LOCK_S = 600.0
 
 
 def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove a build lock left by a process that died mid-build (torch's cpp_extension would
-    otherwise wait on it forever, and every worker with it). Whether one was removed."""
+    """Remove torch's build lock if it is at least `max_age_s` old (left by a process that died
+    mid-build: torch's cpp_extension would wait on it forever). Whether one was removed."""
     lock = build_dir / "lock"
     try:
         age_s = time.time() - lock.stat().st_mtime

@@ -203,3 +203,45 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp
     os.utime(lock, (old, old))
     assert clear_stale_lock(tmp_path) and not lock.exists()
     assert not clear_stale_lock(tmp_path)  # nothing there: nothing to do
+
+
+def test_a_builder_killed_mid_build_leaves_no_lock_that_others_wait_on(tmp_path) -> None:
+    import fcntl
+    import signal
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, sys, time\n"
+        "from kernels.cpu_ops import build_lock\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "with build_lock(d):\n"
+        "    (d / 'lock').touch()\n"  # torch's own lock, as a build in progress holds it
+        "    print('building', flush=True)\n"
+        "    time.sleep(60)\n"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "building"
+        with open(tmp_path / "tessera.flock", "a+") as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live builder keeps others out
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (tmp_path / "lock").exists()
+
+    from kernels.cpu_ops import build_lock
+
+    with build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_sources_are_staged_once_per_build_so_checkouts_share_one_build(tmp_path) -> None:
+    from kernels.cpu_ops import _ROOT, stage_sources
+
+    staged = stage_sources(tmp_path)
+    names = sorted(p.name for p in _ROOT.iterdir() if p.suffix in (".cpp", ".h"))
+    assert sorted(p.name for p in staged.iterdir()) == names
+    (staged / names[0]).write_text("// edited")
+    mtime = (staged / names[1]).stat().st_mtime_ns
+    assert stage_sources(tmp_path) == staged
+    assert (staged / names[0]).read_bytes() == (_ROOT / names[0]).read_bytes()
+    assert (staged / names[1]).stat().st_mtime_ns == mtime  # unchanged files are not rewritten
