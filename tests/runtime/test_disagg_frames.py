@@ -203,3 +203,28 @@ def test_import_refuses_a_payload_of_the_wrong_size():
     cache = _cache("fp8")
     with pytest.raises(ValueError, match="payload"):
         write_payload(cache, b"\x00" * 100, "fp32", (0, 1), torch.tensor([0, 1]))
+
+
+def test_frame_ring_moves_frames_in_order_with_backpressure():
+    from runtime.disagg.shm import FrameRing
+
+    ring = FrameRing.create(slots=2, slot_bytes=64)
+    sender = FrameRing.attach(ring.name)
+    try:
+        assert (sender.slots, sender.slot_bytes) == (2, 64)
+        assert sender.try_put(b"a" * 10) == 0 and sender.try_put(b"b" * 64) == 1
+        assert sender.try_put(b"c") is None  # both slots in flight: the sender waits
+        with pytest.raises(wire.FrameError):
+            ring.take(1, 64)  # out of order
+        assert ring.take(0, 10) == b"a" * 10
+        assert sender.try_put(b"c") == 0
+        assert ring.take(1, 64) == b"b" * 64 and ring.take(0, 1) == b"c"
+        with pytest.raises(wire.FrameError):
+            sender.try_put(b"x" * 65)  # over a slot: the caller sends it in the stream
+        with pytest.raises(wire.FrameError):
+            ring.take(1, 65)
+    finally:
+        sender.close()
+        ring.close()
+    with pytest.raises(FileNotFoundError):
+        FrameRing.attach(ring.name)  # the owner unlinked it
