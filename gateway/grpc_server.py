@@ -230,6 +230,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             tenant_name = tenant.name
             streamed = False
             for attempt in range(MAX_TRANSPARENT_RETRIES + 1):
+                # NOTE: each attempt is its own request on the workers: a retry never meets
+                # its lost attempt's export (or import), still being freed on a live worker.
+                wreq.request_id = rid if attempt == 0 else f"{rid}.{attempt}"
                 worker = await pool.acquire(session, prefix_key, context.time_remaining(),
                                             tenant=tenant.name,
                                             limits=self.gw.limits_for(tenant))

@@ -42,7 +42,8 @@ WORKER_INTEGRITY = Gauge("tessera_worker_integrity", "Integrity checks run and m
 # Disaggregated serving: KV sent (direction "export", prefill workers) and received ("import",
 # decode workers); `model` is the pool (model id / role). Totals since the worker started.
 WORKER_TRANSFER = Gauge("tessera_worker_kv_transfer", "KV transfers: completed, frames, pages, "
-                        "bytes, pending (under way now)", ["model", "worker", "direction", "kind"])
+                        "bytes, pending (under way now), waiting (imports queued for free "
+                        "pages)", ["model", "worker", "direction", "kind"])
 WORKER_TRANSFER_SECONDS = Gauge("tessera_worker_kv_transfer_seconds", "Time spent in completed "
                                 "KV transfers (first frame to commit or last frame)",
                                 ["model", "worker", "direction"])
@@ -50,7 +51,7 @@ WORKER_TRANSFER_FAILURES = Gauge("tessera_worker_kv_transfer_failures", "Failed 
                                  "cause (checksum, sequence, malformed, incomplete, deadline, "
                                  "cancelled, sender, stale_tag, ...)",
                                  ["model", "worker", "direction", "cause"])
-_TRANSFER_KINDS = ("transfers", "frames", "pages", "bytes", "pending")
+_TRANSFER_KINDS = ("transfers", "frames", "pages", "bytes", "pending", "waiting")
 _failure_labels: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
 

@@ -55,7 +55,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "\"--kv-cache-dtype fp8 --decode-weights int4\"")
     p.add_argument("--transfer-timeout-s", type=float, default=60.0,
                    help="a request's KV transfer, reservation to commit; past it, "
-                        "DEADLINE_EXCEEDED and both sides' pages freed")
+                        "DEADLINE_EXCEEDED and both sides' pages freed. Also how long a "
+                        "request without a deadline waits for decode-side pages (then "
+                        "OVERLOADED)")
     p.add_argument("--max-inflight", type=int, default=32, help="per worker")
     p.add_argument("--max-queue", type=int, default=128, help="waiting requests per model")
     p.add_argument("--tenant-max-inflight", type=int, default=None,

@@ -26,7 +26,7 @@ from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import to_status
 from gateway.logprobs import TokenLogprobs
 from gateway.logs import configure, get_logger
-from gateway.transfer import CHANNEL_OPTIONS, ROLES, TransferService, transfer_stats
+from gateway.transfer import CHANNEL_OPTIONS, ROLES, TRANSPORTS, TransferService, transfer_stats
 from runtime.async_engine import AsyncLLM
 from runtime.candidates import generate_candidates
 from runtime.engine_flags import add_engine_flags, engine_config
@@ -40,7 +40,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, llm: AsyncLLM, served: wire.ServedInfo,
                  fault_tenant: str | None = None, fault_loop: list[str] | None = None,
                  native_ops: str = "", role: str = "both",
-                 fault_transfer: list[str] | None = None) -> None:
+                 fault_transfer: list[str] | None = None, kv_transport: str = "auto") -> None:
         self.llm = llm
         self.engine = llm.engine
         self.served = served
@@ -51,7 +51,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.requests_served = 0
         # tenant -> transfer fault kind (drills): corrupt a frame, or stall the sender
         faults = {t: k for k, t in (f.split(":", 1) for f in fault_transfer or ())}
-        self.transfer = TransferService(llm, served, role, faults)
+        self.transfer = TransferService(llm, served, role, faults, kv_transport)
         self.logprobs = TokenLogprobs(self.engine.tokenizer)
 
     async def Generate(self, request: wpb.WorkerGenerateRequest,
@@ -111,7 +111,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         """Decode side of a disaggregated request (gateway/transfer.py)."""
         self.requests_served += 1
-        stream = self.transfer.generate_imported(request, self._prompt)
+        stream = self.transfer.generate_imported(request, self._prompt,
+                                                 context.time_remaining())
         async for resp in self._guarded(stream, request.request.request_id,
                                         request.request.tenant, context):
             yield resp
@@ -188,7 +189,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             integrity_mismatches=snap.integrity_mismatches, native_ops=self.native_ops,
             role=self.transfer.role,
             exported=transfer_stats(self.transfer.exported, self.transfer.pending_exports),
-            imported=transfer_stats(self.transfer.imported, self.transfer.pending_imports),
+            imported=transfer_stats(self.transfer.imported, self.transfer.pending_imports,
+                                    self.transfer.page_wait.waiting),
             num_threads=self.engine.num_threads)
 
 
@@ -232,9 +234,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_engine_flags(p)
     p.add_argument("--role", default="both", choices=ROLES,
                    help="both: colocated; prefill / decode: one side of disaggregated serving")
+    p.add_argument("--kv-transport", default="auto", choices=TRANSPORTS,
+                   help="how a decode worker receives KV frames: auto, through a shared-memory "
+                        "ring when the prefill worker is on this host (a unix socket), else in "
+                        "the gRPC stream; grpc, always in the stream")
     p.add_argument("--fault-transfer", action="append", default=None, metavar="KIND:TENANT",
-                   help="drills only: corrupt a KV frame (corrupt) or stall the transfer "
-                        "(stall) of each request of TENANT sent from here; repeatable")
+                   help="drills only, on a prefill worker: corrupt a KV frame (corrupt), stall "
+                        "the transfer after the first token (stall), or hold the request after "
+                        "its prefill, before the first token (hold), for each request of "
+                        "TENANT; repeatable")
     p.add_argument("--fault-tenant", default=None,
                    help="drills only: corrupt the page table of each request of this tenant")
     p.add_argument("--fault-loop", action="append", default=None, metavar="KIND:TENANT",
@@ -261,7 +269,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(
         WorkerServicer(llm, served, args.fault_tenant, args.fault_loop, native_ops, args.role,
-                       args.fault_transfer), server)
+                       args.fault_transfer, args.kv_transport), server)
     server.add_insecure_port(f"unix:{args.socket}")
     await server.start()
     log.info("worker serving", worker=worker_id, socket=args.socket, model=served.model,

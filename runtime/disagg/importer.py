@@ -171,9 +171,15 @@ class KVImport:
             self._fail("malformed", "layer range or page position outside the reservation")
         if any(p in self._received[layer] for layer in range(lo, hi) for p in pages):
             self._fail("sequence", "a page position sent twice")
-        ps, n = self.engine.pool.page_size, len(self.prompt_ids)
-        slots = [self.reserved[p - self.first_page].page_id * ps + t % ps
-                 for p in pages for t in range(p * ps, min((p + 1) * ps, n))]
+        pool = self.engine.pool
+        targets = [self.reserved[p - self.first_page] for p in pages]
+        # NOTE: checked before every write: a page freed under the transfer (a use-after-free
+        # elsewhere) may already hold another request's KV, which this payload must not touch.
+        if not all(pool.is_live(r) for r in targets):
+            self._fail("stale", "a reserved page changed hands during the transfer")
+        ps, n = pool.page_size, len(self.prompt_ids)
+        slots = [ref.page_id * ps + t % ps for p, ref in zip(pages, targets, strict=True)
+                 for t in range(p * ps, min((p + 1) * ps, n))]
         try:
             write_payload(self.engine.kv_cache, frame.payload, self._format, (lo, hi),
                           torch.tensor(slots, dtype=torch.long))
@@ -240,6 +246,11 @@ class KVImport:
             self._release()
             self.state = "failed"
             self.counters.failures[cause] += 1
+
+    def reject(self, cause: str, detail: str) -> NoReturn:
+        """Fail the transfer as an untrusted frame does (a frame that could not be read off
+        its transport): pages freed, KV_INTEGRITY_VIOLATION raised."""
+        self._fail(cause, detail)
 
     def _fail(self, cause: str, detail: str) -> NoReturn:
         self._release()

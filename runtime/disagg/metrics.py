@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 class TransferCounters:
     transfers: int = 0  # completed (committed on import, fully sent on export)
     frames: int = 0
+    shm_frames: int = 0  # of those, moved through a shared-memory ring (one host)
     pages: int = 0  # (logical page, layer range) payloads counted once per page per transfer
     bytes: int = 0  # frame bytes on the wire
     duration_s: float = 0.0  # first frame to commit (import) or last frame (export)

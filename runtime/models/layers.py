@@ -113,14 +113,19 @@ class PagedAttention(nn.Module):
         ctx = get_forward_context()
         meta = ctx.attn
         kv = ctx.kv_cache.layer(self.layer_index)  # type: ignore[attr-defined]
-        store_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale, kv.hadamard)
+        # Smoothed fp8 pages (runtime/kv/smoothing.py): keys stored as (k - shift) / scale and
+        # read by q * scale, values stored as v / v_scale and the output times v_scale.
+        store_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale, kv.hadamard,
+                 kv.k_shift, kv.k_channel_scale, kv.v_channel_scale)
         parts = []
         for g in meta.decodes:
             parts.append(paged_decode_attention(q[g.start : g.end], kv.k, kv.v, g.page_table,
                                                 g.context_lens, self.scale, kv.k_scale, kv.v_scale,
-                                                kv.hadamard))
+                                                kv.hadamard, kv.k_channel_scale,
+                                                kv.v_channel_scale))
         for p in meta.prefills:
             parts.append(paged_prefill_attention(q[p.start : p.end], kv.k, kv.v, p.page_ids,
                                                  p.context_len, p.mask, self.scale,
-                                                 kv.k_scale, kv.v_scale, kv.hadamard))
+                                                 kv.k_scale, kv.v_scale, kv.hadamard,
+                                                 kv.k_channel_scale, kv.v_channel_scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

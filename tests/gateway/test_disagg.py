@@ -1,8 +1,13 @@
 """Disaggregated serving with real worker processes on loopback: a prefill worker (BF16 KV) and
 a decode worker (BF16 KV) behind the gateway, plus a decode worker with FP8 KV; greedy parity
-with colocated serving, a corrupted frame, a stalled transfer, a full decode pool, a client
-leaving at each stage and a prefill worker killed mid-transfer, each ending typed with every
-page back (free + cached = total) on both sides."""
+with colocated serving, a corrupted frame, and a failure at every stage (the client leaving
+during prefill, transfer and decode; a stalled transfer; a full decode pool, where requests
+queue; each worker killed mid-prefill, mid-transfer and mid-decode), each ending typed for the
+requests it hit only, with every page back (free + cached = total) on both sides. Stage
+timing comes from drills on the prefill worker (`hold`: after the prompt's prefill, before the
+first token; `stall`: after the first token, before the KV frames), never from sleeps.
+
+One deployment serves the whole module; the tests that kill workers run last."""
 
 from __future__ import annotations
 
@@ -18,26 +23,31 @@ from prometheus_client import REGISTRY
 
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
+from gateway.auth import ApiKeys
 from gateway.client import (
     NO_RETRY,
     Client,
     DeadlineExceeded,
     KVIntegrityViolation,
-    Overloaded,
+    Stream,
     Unavailable,
     WorkerLost,
 )
 from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
-from tests.gateway.conftest import KEYS, api_keys, wait_for
+from runtime.errors import RequestCancelled
+from tests.gateway.conftest import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PD, PD8 = "pd", "pd8"
 TRANSFER_TIMEOUT_S = 10.0
 BF16 = ("--kv-cache-dtype", "bf16")
-# drill tenants on the prefill worker: `drill` gets a corrupted frame, `bob` a stalled sender
-PREFILL_ARGS = (*BF16, "--fault-transfer", "corrupt:drill", "--fault-transfer", "stall:bob")
+# drill tenants on the prefill worker: `drill` gets a corrupted frame, `bob` a sender that
+# stalls after the first token (mid-transfer), `carol` a request held after its prefill
+KEYS = {"acme": "key-acme", "bob": "key-bob", "drill": "key-drill", "carol": "key-carol"}
+PREFILL_ARGS = (*BF16, "--fault-transfer", "corrupt:drill", "--fault-transfer", "stall:bob",
+                "--fault-transfer", "hold:carol")
 DECODE_KV_BYTES = 8 << 20  # 22 BF16 pages of 16 tokens: two long prompts do not fit
 PROMPTS = [
     "The three primary colors are",
@@ -53,8 +63,9 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def runner() -> Iterator[GatewayRunner]:
-    """`pd`: one prefill worker and one decode worker (BF16 KV both); `pd8`: one decode worker
-    with FP8 KV (served colocated by the gateway; its disaggregated path is driven directly)."""
+    """`pd`: one prefill worker and one decode worker (BF16 KV both; frames through shared
+    memory); `pd8`: one decode worker with FP8 KV taking frames in the gRPC stream (served
+    colocated by the gateway; its disaggregated path is driven directly)."""
     common = dict(max_inflight=4, min_workers=1, max_workers=1)
     pools = [
         PoolConfig(PD, role="prefill", kv_cache_bytes=32 << 20, worker_args=PREFILL_ARGS,
@@ -62,9 +73,10 @@ def runner() -> Iterator[GatewayRunner]:
         PoolConfig(PD, role="decode", kv_cache_bytes=DECODE_KV_BYTES, worker_args=BF16,
                    transfer_timeout_s=TRANSFER_TIMEOUT_S, **common),
         PoolConfig(PD8, role="decode", kv_cache_bytes=DECODE_KV_BYTES,
-                   worker_args=("--kv-cache-dtype", "fp8"), **common),
+                   worker_args=("--kv-cache-dtype", "fp8", "--kv-transport", "grpc"), **common),
     ]
-    r = GatewayRunner(pools, api_keys()).start()
+    keys = ApiKeys.parse(",".join(f"{k}={t}" for t, k in KEYS.items()))
+    r = GatewayRunner(pools, keys).start()
     yield r
     r.stop()
 
@@ -137,6 +149,9 @@ def test_greedy_disaggregated_bf16_is_token_identical_to_colocated(runner, clien
     assert s["decode"].imported.transfers >= len(PROMPTS) == s["prefill"].exported.transfers
     assert s["decode"].role == "decode" and s["prefill"].role == "prefill"
     assert s["decode"].imported.failures == {} and s["decode"].imported.bytes > 0
+    # one host: the frames went through the shared-memory ring, the same frames and checks
+    assert s["decode"].imported.shm_frames == s["decode"].imported.frames
+    assert s["prefill"].exported.shm_frames == s["decode"].imported.shm_frames > 0
     assert_idle(runner)
 
 
@@ -154,7 +169,8 @@ def test_fp8_decode_side_matches_colocated_fp8(runner) -> None:
     print(f"\nbf16 -> fp8 import vs colocated fp8 over processes: {sum(same)}/{len(same)} "
           "prompts token-identical over 8 tokens")
     assert sum(same) >= len(same) // 2
-    assert _statuses(runner)["decode8"].imported.transfers >= len(PROMPTS)
+    s = _statuses(runner)["decode8"]
+    assert s.imported.transfers >= len(PROMPTS) and s.imported.shm_frames == 0  # in-stream
     assert_idle(runner)
 
 
@@ -196,33 +212,31 @@ def test_corrupted_frame_aborts_only_that_request(runner, client) -> None:
         "model": f"{PD}/decode", "worker": _workers(runner)["decode"].id, "state": "free"}) > 0
 
 
-def test_stalled_transfer_ends_at_its_deadline_and_a_full_decode_pool_refuses(runner) -> None:
-    """`bob`'s sender stalls after prefill while the decode side holds the reservation: a
-    second long prompt finds no free pages (OVERLOADED, the prefill side never called), then
-    the stalled one ends DEADLINE_EXCEEDED with both sides' pages freed."""
-    stalled: dict[str, object] = {}
-
-    def run_stalled() -> None:
-        with Client(runner.target, api_key=KEYS["bob"], retry=NO_RETRY) as c:
-            try:
-                stalled["chunks"] = list(c.generate(LONG, model=PD, max_tokens=4, **GREEDY))
-            except Exception as e:
-                stalled["error"] = e
-
+def test_a_full_decode_pool_queues_imports_until_pages_free(runner) -> None:
+    """`bob`'s sender stalls after prefill while the decode side holds 13 of its 22 pages. A
+    second long prompt waits for pages (the prefill side never hears of it); a third, with a
+    short deadline, ends DEADLINE_EXCEEDED while waiting. At the transfer timeout the stalled
+    one ends DEADLINE_EXCEEDED with both sides' pages freed, and the waiting one then runs."""
     exported_before = _statuses(runner)["prefill"].exported.transfers
-    t = threading.Thread(target=run_stalled)
     started = time.monotonic()
-    t.start()
+    stalled = _in_thread(runner, "bob", LONG, 4)
     wait_for(lambda: _statuses(runner)["prefill"].exported.pending == 1, 60, "a stalled sender")
+    queued = _in_thread(runner, "acme", LONG + " again", 4, timeout_s=120)
+    wait_for(lambda: _statuses(runner)["decode"].imported.waiting == 1, 30, "a queued import")
     with Client(runner.target, api_key=KEYS["acme"], retry=NO_RETRY) as c, \
-            pytest.raises(Overloaded):
-        list(c.generate(LONG + " again", model=PD, max_tokens=4, **GREEDY))
-    t.join(TRANSFER_TIMEOUT_S + 60)
-    assert isinstance(stalled.get("error"), DeadlineExceeded), stalled
+            pytest.raises(DeadlineExceeded):
+        list(c.generate(LONG + " and again", model=PD, max_tokens=4, timeout_s=2, **GREEDY))
+    s = _statuses(runner)
+    assert s["prefill"].exported.pending == 1 and s["prefill"].num_waiting == 0
+    assert s["decode"].imported.waiting == 1  # the short-deadline one left the queue
+    stalled.thread.join(TRANSFER_TIMEOUT_S + 60)
+    assert isinstance(stalled.error, DeadlineExceeded), stalled.error
     assert time.monotonic() - started >= TRANSFER_TIMEOUT_S * 0.9
+    queued.thread.join(120)
+    assert queued.error is None and len(queued.tokens) == 4
     s = _statuses(runner)
     assert s["decode"].imported.failures["deadline"] >= 1
-    assert s["prefill"].exported.transfers == exported_before
+    assert s["prefill"].exported.transfers == exported_before + 1  # the queued one only
     assert_idle(runner)
 
 
@@ -244,90 +258,123 @@ def test_decode_worker_holding_the_prefix_imports_only_what_it_lacks(runner, cli
 
 @pytest.mark.parametrize("stage", ["prefill", "transfer", "decode"])
 def test_client_leaving_at_each_stage_frees_both_sides(runner, stage) -> None:
-    """prefill: a deadline shorter than a long prompt's prefill; transfer: `bob`'s sender
-    stalls after the first token, so leaving then leaves mid-transfer; decode: leaving after
-    the first token of a long output."""
+    """prefill: `carol`'s request is held after its prefill, before the first token, with
+    pages on both sides, until the client cancels it (or its deadline passes); transfer:
+    `bob`'s sender stalls after the first token, so leaving then leaves mid-transfer; decode:
+    leaving after the first tokens of a long output."""
+    if stage == "prefill":  # the client cancels; then another's deadline passes there
+        for timeout_s, error in ((None, RequestCancelled), (2.0, DeadlineExceeded)):
+            held = _in_thread(runner, "carol", PROMPTS[0], 4, timeout_s=timeout_s)
+            wait_for(lambda: _held_on_both_sides(_statuses(runner)), 30,
+                     "both sides holding the request")
+            if timeout_s is None:
+                held.stream.cancel()
+            held.thread.join(60)
+            assert isinstance(held.error, error) and not held.tokens, held.error
+            assert_idle(runner)
+        return
     key = "bob" if stage == "transfer" else "acme"
     with Client(runner.target, api_key=KEYS[key], retry=NO_RETRY) as c:
-        if stage == "prefill":
-            with pytest.raises(DeadlineExceeded):
-                list(c.generate(LONG, model=PD, max_tokens=4, timeout_s=0.3, **GREEDY))
+        stream = c.generate(LONG if stage == "transfer" else PROMPTS[1], model=PD,
+                            max_tokens=200 if stage == "decode" else 4, **GREEDY)
+        chunks = iter(stream)
+        assert next(chunks).token_ids
+        if stage == "transfer":
+            assert _statuses(runner)["prefill"].exported.pending == 1
         else:
-            stream = c.generate(LONG if stage == "transfer" else PROMPTS[1], model=PD,
-                                max_tokens=200 if stage == "decode" else 4, **GREEDY)
-            assert next(iter(stream)).token_ids
-            if stage == "transfer":
-                assert _statuses(runner)["prefill"].exported.pending == 1
-            stream.cancel()
+            assert next(chunks).token_ids  # a token the decode worker sampled
+        stream.cancel()
     assert_idle(runner)
 
 
-def _stalled_request(runner: GatewayRunner) -> tuple[dict[str, object], threading.Event]:
-    """`bob`'s request in a thread: its transfer stalls after the first token (set then)."""
-    outcome: dict[str, object] = {}
-    first_token = threading.Event()
+def _held_on_both_sides(s: dict[str, wpb.StatusResponse]) -> bool:
+    prefill, decode = s["prefill"], s["decode"]
+    return (prefill.exported.pending == 1 and prefill.num_free_pages < prefill.num_pages
+            and decode.imported.pending == 1 and decode.num_free_pages < decode.num_pages)
+
+
+class _Outcome:
+    """A request run in a thread: its tokens so far, how it ended, its first token's event."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.error: Exception | None = None
+        self.first_token = threading.Event()
+        self.thread = threading.Thread(target=lambda: None)
+        self.stream: Stream | None = None
+
+
+def _in_thread(runner: GatewayRunner, key: str, prompt: str, max_tokens: int,
+               timeout_s: float | None = None) -> _Outcome:
+    outcome = _Outcome()
 
     def run() -> None:
-        with Client(runner.target, api_key=KEYS["bob"], retry=NO_RETRY) as c:
+        with Client(runner.target, api_key=KEYS[key], retry=NO_RETRY) as c:
+            outcome.stream = c.generate(prompt, model=PD, max_tokens=max_tokens,
+                                        timeout_s=timeout_s, **GREEDY)
             try:
-                for _ in c.generate(LONG, model=PD, max_tokens=4, **GREEDY):
-                    first_token.set()
+                for chunk in outcome.stream:
+                    outcome.tokens += chunk.token_ids
+                    outcome.first_token.set()
             except Exception as e:
-                outcome["error"] = e
+                outcome.error = e
 
-    outcome["thread"] = t = threading.Thread(target=run)
-    t.start()
-    return outcome, first_token
+    outcome.thread = threading.Thread(target=run)
+    outcome.thread.start()
+    return outcome
 
 
-def test_decode_worker_killed_mid_transfer_ends_typed_and_frees_the_prefill_side(runner):
-    """The decode worker dies after the first token, while its transfer is under way: the
-    client gets WORKER_LOST (nothing transparent after a token was streamed), the prefill
-    side's call is cut and its pages come back; the supervisor starts another decode worker."""
-    outcome, first_token = _stalled_request(runner)
+def _side_idle(runner: GatewayRunner, pool: str) -> bool:
+    """The one worker of a pool (prefill or decode) has nothing running or in transfer and
+    every page free or only cached."""
+    async def read() -> wpb.StatusResponse:
+        pools = runner.gateway.prefill_pools if pool == "prefill" else runner.gateway.pools
+        return await pools[PD].ready()[0].stub.Status(wpb.StatusRequest(), timeout=10)
 
+    s = runner.call(read())
+    return (s.num_running == 0 and s.num_waiting == 0 and s.exported.pending == 0
+            and s.imported.pending == 0 and s.imported.waiting == 0
+            and s.num_free_pages + s.prefix_cache.evictable_pages == s.num_pages)
+
+
+def test_decode_worker_killed_mid_transfer_and_mid_decode_ends_typed(runner):
+    """The decode worker dies holding two requests: `bob`'s mid-transfer (its sender stalled
+    after the first token) and one mid-decode (tokens from the decode side streamed). Both get
+    WORKER_LOST (nothing transparent after a token was streamed); the prefill side's call is
+    cut and its pages come back; the supervisor starts another decode worker."""
+    in_transfer = _in_thread(runner, "bob", LONG, 4)
+    in_decode = _in_thread(runner, "acme", PROMPTS[1], 100)
     decode = _workers(runner)["decode"]
-    assert first_token.wait(60), "no first token"  # the transfer is under way (stalled)
+    assert in_transfer.first_token.wait(60), "no first token"
+    wait_for(lambda: len(in_decode.tokens) >= 3, 60, "tokens from the decode worker")
     os.kill(decode.pid, signal.SIGKILL)
-    outcome["thread"].join(60)
-    assert isinstance(outcome.get("error"), WorkerLost), outcome
-
-    def prefill_idle() -> bool:
-        async def read() -> wpb.StatusResponse:
-            prefill = runner.gateway.prefill_pools[PD].ready()[0]
-            return await prefill.stub.Status(wpb.StatusRequest(), timeout=10)
-
-        s = runner.call(read())
-        return (s.num_running == 0 and s.exported.pending == 0
-                and s.num_free_pages + s.prefix_cache.evictable_pages == s.num_pages)
-
-    wait_for(prefill_idle, 30, "the prefill side's pages back")
+    for outcome in (in_transfer, in_decode):
+        outcome.thread.join(60)
+        assert isinstance(outcome.error, WorkerLost), outcome.error
+    assert len(in_decode.tokens) < 100
+    wait_for(lambda: _side_idle(runner, "prefill"), 30, "the prefill side's pages back")
     # the replacement decode worker, for the next test
     wait_for(lambda: any(w.id != decode.id for w in runner.gateway.pools[PD].ready()), 300,
              "a new decode worker")
 
 
-def test_prefill_worker_killed_mid_transfer_ends_typed_and_frees_the_decode_side(runner):
-    """Last: it kills the prefill worker (the supervisor starts another)."""
-    outcome, first_token = _stalled_request(runner)
-
+def test_prefill_worker_killed_mid_prefill_and_mid_transfer_ends_typed(runner):
+    """The prefill worker dies holding two requests: `carol`'s after its prefill (no token out)
+    and `bob`'s mid-transfer. Both end UNAVAILABLE (retryable); the decode side frees both
+    reservations. Last: the supervisor restarts the prefill worker, nobody waits for it."""
+    in_transfer = _in_thread(runner, "bob", LONG, 4)
+    in_prefill = _in_thread(runner, "carol", PROMPTS[0], 4)
     prefill = _workers(runner)["prefill"]
-    assert first_token.wait(60), "no first token"  # the transfer is under way (stalled)
+    assert in_transfer.first_token.wait(60), "no first token"
+    wait_for(lambda: _statuses(runner)["prefill"].exported.pending == 2, 60,
+             "both requests held by the prefill worker")
     os.kill(prefill.pid, signal.SIGKILL)
-    outcome["thread"].join(60)
-    assert isinstance(outcome.get("error"), Unavailable), outcome
-
-    def decode_idle() -> bool:
-        async def read() -> wpb.StatusResponse:
-            decode = runner.gateway.pools[PD].ready()[0]  # the prefill pool may have none now
-            return await decode.stub.Status(wpb.StatusRequest(), timeout=10)
-
-        s = runner.call(read())
-        return (s.num_running == 0 and s.imported.pending == 0
-                and s.num_free_pages + s.prefix_cache.evictable_pages == s.num_pages)
-
-    wait_for(decode_idle, 30, "the decode side's pages back")
-    assert runner.call(_read_decode_failures(runner))["sender"] >= 1
+    for outcome in (in_transfer, in_prefill):
+        outcome.thread.join(60)
+        assert isinstance(outcome.error, Unavailable), outcome.error
+    assert not in_prefill.tokens
+    wait_for(lambda: _side_idle(runner, "decode"), 30, "the decode side's pages back")
+    assert runner.call(_read_decode_failures(runner))["sender"] >= 2
 
 
 async def _read_decode_failures(runner: GatewayRunner) -> dict[str, int]:

@@ -34,6 +34,11 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    """Every test of the module on one torch thread (see `one_torch_thread`)."""
+
+
 @pytest.fixture(scope="module")
 def fp8_llm(one_torch_thread):
     """A decode-side engine with FP8 KV (a small pool: 400 pages)."""
@@ -247,3 +252,58 @@ def test_prefill_pages_that_change_during_export_stop_it(engine, fp8_engine):
     if engine.prefix_cache is not None:
         engine.prefix_cache.clear()
     FaultInjector(engine)._force_free(bumped)
+
+
+def test_a_reserved_page_taken_mid_transfer_is_never_written(engine, fp8_engine):
+    """A use-after-free on the decode side hands a reserved page to another holder mid-transfer:
+    the next frame for it fails closed (`stale`) and the new holder's bytes stay as they were."""
+    ids = engine.tokenizer.encode("[taken] " + PROMPTS[2] * 3)
+    imp = KVImport.reserve(fp8_engine, "t", ids, GREEDY)
+    exp = KVExport.start(engine, "t", ids, GREEDY)
+    while not exp.prefilled:
+        engine.step()
+    frames = list(exp.frames(imp.first_page, max_frame_bytes=64 << 10))
+    exp.release()
+    imp.accept(frames[0])
+    imp.accept(frames[1])  # pages 0-1 of the first layers: the last page is still to come
+    taken = imp.reserved[-1]
+    FaultInjector(fp8_engine)._force_free(taken.page_id)
+    thief = fp8_engine.pool.allocate("thief")
+    assert thief.page_id == taken.page_id and thief.tag != taken.tag
+    kv = fp8_engine.kv_cache
+    before = kv.k[:, :, thief.page_id].clone(), kv.v[:, :, thief.page_id].clone()
+    with pytest.raises(KVIntegrityViolation) as info:
+        for data in frames[2:]:
+            imp.accept(data)
+    assert info.value.metadata["detail"] == "stale" and imp.state == "failed"
+    assert kv.k[:, :, thief.page_id].equal(before[0])
+    assert kv.v[:, :, thief.page_id].equal(before[1])
+    assert "t" not in fp8_engine.requests and not imp.reserved
+    fp8_engine.pool.release(thief)
+
+
+def test_a_failed_transfer_publishes_nothing_and_its_retry_starts_fresh(engine, fp8_engine):
+    """A transfer that fails verification leaves no readable page: no sequence, no prefix-cache
+    entry. Its retry (same request id) reserves anew, receives every page again under fresh
+    tags (no (page, tag) of the failed attempt can match), and decodes as a clean run does."""
+    ids = engine.tokenizer.encode("[retry] " + PROMPTS[6] * 3)
+    failed = KVImport.reserve(fp8_engine, "r", ids, GREEDY)
+    old_refs = list(failed.reserved)
+    exp = KVExport.start(engine, "r", ids, GREEDY)
+    while not exp.prefilled:
+        engine.step()
+    with pytest.raises(KVIntegrityViolation):
+        for data in exp.frames(failed.first_page, 64 << 10, _flip_payload_byte(3)):
+            failed.accept(data)
+    exp.release()
+    assert "r" not in fp8_engine.requests and not failed.reserved
+    local = LocalTransfer(engine, fp8_engine)
+    retry = KVImport.reserve(fp8_engine, "r", ids, GREEDY, counters=local.imported)
+    assert retry.first_page == 0  # nothing of the failed attempt was published
+    assert set(old_refs).isdisjoint(retry.reserved)
+    retry.abort()
+    got = local.generate({"r": ids}, GREEDY)["r"]
+    assert got.error is None and local.imported.pages == fp8_engine.pool.pages_for_tokens(len(ids))
+    fp8_engine.prefix_cache.clear()
+    clean = LocalTransfer(engine, fp8_engine).generate({"clean": ids}, GREEDY)["clean"]
+    assert got.token_ids == clean.token_ids

@@ -73,6 +73,30 @@ def test_default_engine_serves_the_gguf_blocks_as_stored(stored, llm):
     assert blocks < 0.2 * dense  # ~97 MB of blocks vs ~538 MB of fp32
 
 
+def _resident_kib(address: int) -> int:
+    """Rss of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def test_the_loaded_engine_keeps_no_page_of_the_gguf_mapping_resident(stored):
+    # The weights are copies out of the file's memory map (blocks and dequantized tensors):
+    # its pages would only hold the weights twice. A later read maps them in again.
+    checkpoint = stored.engine.checkpoint
+    assert _resident_kib(checkpoint.reader.data.ctypes.data) == 0
+    name, blocks = next(checkpoint.block_tensors())
+    served = stored.engine.model.get_submodule("model.embed_tokens")
+    assert name == "model.embed_tokens.weight" and torch.equal(blocks.qs, served.qs)
+
+
 def test_greedy_tokens_equal_the_dequantized_fp32_model(stored, llm):
     ours, ref = greedy(stored), greedy(llm)
     diverged = [(i, next(j for j, (a, b) in enumerate(zip(x, y, strict=True)) if a != b))

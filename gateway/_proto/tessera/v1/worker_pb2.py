@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from gateway._proto.tessera.v1 import gateway_pb2 as tessera_dot_v1_dot_gateway__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/worker.proto\x12\ntessera.v1\x1a\x18tessera/v1/gateway.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\"\xf7\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.tessera.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.tessera.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\x12\x1c\n\x14split_special_tokens\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\xb9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.tessera.v1.TokenIds\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\x12\x12\n\nfirst_page\x18\x05 \x01(\r\x12\x17\n\x0fmax_frame_bytes\x18\x06 \x01(\r\"W\n\x0fPrefillResponse\x12+\n\x03out\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.GenerateResponseH\x00\x12\x0f\n\x05\x66rame\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x98\x01\n\x15ImportGenerateRequest\x12\x32\n\x07request\x18\x01 \x01(\x0b\x32!.tessera.v1.WorkerGenerateRequest\x12\x16\n\x0eprefill_target\x18\x02 \x01(\t\x12\x1a\n\x12transfer_timeout_s\x18\x03 \x01(\x01\x12\x17\n\x0fmax_frame_bytes\x18\x04 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x88\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x14\n\x0c\x65ngine_alive\x18\x04 \x01(\x08\x12\x17\n\x0flast_step_age_s\x18\x05 \x01(\x01\x12\x16\n\x0estep_running_s\x18\x06 \x01(\x01\"\x0f\n\rStatusRequest\"T\n\x12PrefixCacheSummary\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x02 \x01(\r\x12\x17\n\x0f\x65victable_pages\x18\x03 \x01(\r\"\xfd\x03\n\x0eStatusResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x06served\x18\x02 \x01(\x0b\x32\x18.tessera.v1.ServedConfig\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x34\n\x0cprefix_cache\x18\n \x01(\x0b\x32\x1e.tessera.v1.PrefixCacheSummary\x12\x17\n\x0frequests_served\x18\x0b \x01(\x04\x12\x18\n\x10integrity_checks\x18\x0c \x01(\x04\x12\x1c\n\x14integrity_mismatches\x18\r \x01(\x04\x12\x12\n\nnative_ops\x18\x0e \x01(\t\x12\x0c\n\x04role\x18\x0f \x01(\t\x12+\n\x08\x65xported\x18\x10 \x01(\x0b\x32\x19.tessera.v1.TransferStats\x12+\n\x08imported\x18\x11 \x01(\x0b\x32\x19.tessera.v1.TransferStats\x12\x13\n\x0bnum_threads\x18\x12 \x01(\r\"\xe1\x01\n\rTransferStats\x12\x11\n\ttransfers\x18\x01 \x01(\x04\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x04\x12\r\n\x05pages\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12\x39\n\x08\x66\x61ilures\x18\x06 \x03(\x0b\x32\'.tessera.v1.TransferStats.FailuresEntry\x12\x0f\n\x07pending\x18\x07 \x01(\r\x1a/\n\rFailuresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xb4\x03\n\x06Worker\x12M\n\x08Generate\x12!.tessera.v1.WorkerGenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.tessera.v1.AbortRequest\x1a\x19.tessera.v1.AbortResponse\x12?\n\x06Health\x12\x19.tessera.v1.HealthRequest\x1a\x1a.tessera.v1.HealthResponse\x12?\n\x06Status\x12\x19.tessera.v1.StatusRequest\x1a\x1a.tessera.v1.StatusResponse\x12\x44\n\x07Prefill\x12\x1a.tessera.v1.PrefillRequest\x1a\x1b.tessera.v1.PrefillResponse0\x01\x12U\n\x10GenerateImported\x12!.tessera.v1.ImportGenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/worker.proto\x12\ntessera.v1\x1a\x18tessera/v1/gateway.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\"\xf7\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.tessera.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.tessera.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\x12\x1c\n\x14split_special_tokens\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\xcb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.tessera.v1.TokenIds\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\x12\x12\n\nfirst_page\x18\x05 \x01(\r\x12\x17\n\x0fmax_frame_bytes\x18\x06 \x01(\r\x12\x10\n\x08shm_ring\x18\x07 \x01(\t\"(\n\x08ShmFrame\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\r\"\x82\x01\n\x0fPrefillResponse\x12+\n\x03out\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.GenerateResponseH\x00\x12\x0f\n\x05\x66rame\x18\x02 \x01(\x0cH\x00\x12)\n\tshm_frame\x18\x03 \x01(\x0b\x32\x14.tessera.v1.ShmFrameH\x00\x42\x06\n\x04kind\"\x98\x01\n\x15ImportGenerateRequest\x12\x32\n\x07request\x18\x01 \x01(\x0b\x32!.tessera.v1.WorkerGenerateRequest\x12\x16\n\x0eprefill_target\x18\x02 \x01(\t\x12\x1a\n\x12transfer_timeout_s\x18\x03 \x01(\x01\x12\x17\n\x0fmax_frame_bytes\x18\x04 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x88\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x14\n\x0c\x65ngine_alive\x18\x04 \x01(\x08\x12\x17\n\x0flast_step_age_s\x18\x05 \x01(\x01\x12\x16\n\x0estep_running_s\x18\x06 \x01(\x01\"\x0f\n\rStatusRequest\"T\n\x12PrefixCacheSummary\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x02 \x01(\r\x12\x17\n\x0f\x65victable_pages\x18\x03 \x01(\r\"\xfd\x03\n\x0eStatusResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x06served\x18\x02 \x01(\x0b\x32\x18.tessera.v1.ServedConfig\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x34\n\x0cprefix_cache\x18\n \x01(\x0b\x32\x1e.tessera.v1.PrefixCacheSummary\x12\x17\n\x0frequests_served\x18\x0b \x01(\x04\x12\x18\n\x10integrity_checks\x18\x0c \x01(\x04\x12\x1c\n\x14integrity_mismatches\x18\r \x01(\x04\x12\x12\n\nnative_ops\x18\x0e \x01(\t\x12\x0c\n\x04role\x18\x0f \x01(\t\x12+\n\x08\x65xported\x18\x10 \x01(\x0b\x32\x19.tessera.v1.TransferStats\x12+\n\x08imported\x18\x11 \x01(\x0b\x32\x19.tessera.v1.TransferStats\x12\x13\n\x0bnum_threads\x18\x12 \x01(\r\"\x86\x02\n\rTransferStats\x12\x11\n\ttransfers\x18\x01 \x01(\x04\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x04\x12\r\n\x05pages\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12\x39\n\x08\x66\x61ilures\x18\x06 \x03(\x0b\x32\'.tessera.v1.TransferStats.FailuresEntry\x12\x0f\n\x07pending\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x12\n\nshm_frames\x18\t \x01(\x04\x1a/\n\rFailuresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xb4\x03\n\x06Worker\x12M\n\x08Generate\x12!.tessera.v1.WorkerGenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.tessera.v1.AbortRequest\x1a\x19.tessera.v1.AbortResponse\x12?\n\x06Health\x12\x19.tessera.v1.HealthRequest\x1a\x1a.tessera.v1.HealthResponse\x12?\n\x06Status\x12\x19.tessera.v1.StatusRequest\x1a\x1a.tessera.v1.StatusResponse\x12\x44\n\x07Prefill\x12\x1a.tessera.v1.PrefillRequest\x1a\x1b.tessera.v1.PrefillResponse0\x01\x12U\n\x10GenerateImported\x12!.tessera.v1.ImportGenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,29 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERGENERATEREQUEST']._serialized_start=150
   _globals['_WORKERGENERATEREQUEST']._serialized_end=397
   _globals['_PREFILLREQUEST']._serialized_start=400
-  _globals['_PREFILLREQUEST']._serialized_end=585
-  _globals['_PREFILLRESPONSE']._serialized_start=587
-  _globals['_PREFILLRESPONSE']._serialized_end=674
-  _globals['_IMPORTGENERATEREQUEST']._serialized_start=677
-  _globals['_IMPORTGENERATEREQUEST']._serialized_end=829
-  _globals['_ABORTREQUEST']._serialized_start=831
-  _globals['_ABORTREQUEST']._serialized_end=865
-  _globals['_ABORTRESPONSE']._serialized_start=867
-  _globals['_ABORTRESPONSE']._serialized_end=899
-  _globals['_HEALTHREQUEST']._serialized_start=901
-  _globals['_HEALTHREQUEST']._serialized_end=916
-  _globals['_HEALTHRESPONSE']._serialized_start=919
-  _globals['_HEALTHRESPONSE']._serialized_end=1055
-  _globals['_STATUSREQUEST']._serialized_start=1057
-  _globals['_STATUSREQUEST']._serialized_end=1072
-  _globals['_PREFIXCACHESUMMARY']._serialized_start=1074
-  _globals['_PREFIXCACHESUMMARY']._serialized_end=1158
-  _globals['_STATUSRESPONSE']._serialized_start=1161
-  _globals['_STATUSRESPONSE']._serialized_end=1670
-  _globals['_TRANSFERSTATS']._serialized_start=1673
-  _globals['_TRANSFERSTATS']._serialized_end=1898
-  _globals['_TRANSFERSTATS_FAILURESENTRY']._serialized_start=1851
-  _globals['_TRANSFERSTATS_FAILURESENTRY']._serialized_end=1898
-  _globals['_WORKER']._serialized_start=1901
-  _globals['_WORKER']._serialized_end=2337
+  _globals['_PREFILLREQUEST']._serialized_end=603
+  _globals['_SHMFRAME']._serialized_start=605
+  _globals['_SHMFRAME']._serialized_end=645
+  _globals['_PREFILLRESPONSE']._serialized_start=648
+  _globals['_PREFILLRESPONSE']._serialized_end=778
+  _globals['_IMPORTGENERATEREQUEST']._serialized_start=781
+  _globals['_IMPORTGENERATEREQUEST']._serialized_end=933
+  _globals['_ABORTREQUEST']._serialized_start=935
+  _globals['_ABORTREQUEST']._serialized_end=969
+  _globals['_ABORTRESPONSE']._serialized_start=971
+  _globals['_ABORTRESPONSE']._serialized_end=1003
+  _globals['_HEALTHREQUEST']._serialized_start=1005
+  _globals['_HEALTHREQUEST']._serialized_end=1020
+  _globals['_HEALTHRESPONSE']._serialized_start=1023
+  _globals['_HEALTHRESPONSE']._serialized_end=1159
+  _globals['_STATUSREQUEST']._serialized_start=1161
+  _globals['_STATUSREQUEST']._serialized_end=1176
+  _globals['_PREFIXCACHESUMMARY']._serialized_start=1178
+  _globals['_PREFIXCACHESUMMARY']._serialized_end=1262
+  _globals['_STATUSRESPONSE']._serialized_start=1265
+  _globals['_STATUSRESPONSE']._serialized_end=1774
+  _globals['_TRANSFERSTATS']._serialized_start=1777
+  _globals['_TRANSFERSTATS']._serialized_end=2039
+  _globals['_TRANSFERSTATS_FAILURESENTRY']._serialized_start=1992
+  _globals['_TRANSFERSTATS_FAILURESENTRY']._serialized_end=2039
+  _globals['_WORKER']._serialized_start=2042
+  _globals['_WORKER']._serialized_end=2478
 # @@protoc_insertion_point(module_scope)

@@ -39,28 +39,40 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingOptions, _Mapping]] = ..., split_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "token_ids", "sampling", "first_page", "max_frame_bytes")
+    __slots__ = ("request_id", "tenant", "token_ids", "sampling", "first_page", "max_frame_bytes", "shm_ring")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_RING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     token_ids: TokenIds
     sampling: _gateway_pb2.SamplingOptions
     first_page: int
     max_frame_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingOptions, _Mapping]] = ..., first_page: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    shm_ring: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_gateway_pb2.SamplingOptions, _Mapping]] = ..., first_page: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., shm_ring: _Optional[str] = ...) -> None: ...
+
+class ShmFrame(_message.Message):
+    __slots__ = ("slot", "nbytes")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    nbytes: int
+    def __init__(self, slot: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("out", "frame")
+    __slots__ = ("out", "frame", "shm_frame")
     OUT_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_FRAME_FIELD_NUMBER: _ClassVar[int]
     out: _gateway_pb2.GenerateResponse
     frame: bytes
-    def __init__(self, out: _Optional[_Union[_gateway_pb2.GenerateResponse, _Mapping]] = ..., frame: _Optional[bytes] = ...) -> None: ...
+    shm_frame: ShmFrame
+    def __init__(self, out: _Optional[_Union[_gateway_pb2.GenerateResponse, _Mapping]] = ..., frame: _Optional[bytes] = ..., shm_frame: _Optional[_Union[ShmFrame, _Mapping]] = ...) -> None: ...
 
 class ImportGenerateRequest(_message.Message):
     __slots__ = ("request", "prefill_target", "transfer_timeout_s", "max_frame_bytes")
@@ -161,7 +173,7 @@ class StatusResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., served: _Optional[_Union[_gateway_pb2.ServedConfig, _Mapping]] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., integrity_checks: _Optional[int] = ..., integrity_mismatches: _Optional[int] = ..., native_ops: _Optional[str] = ..., role: _Optional[str] = ..., exported: _Optional[_Union[TransferStats, _Mapping]] = ..., imported: _Optional[_Union[TransferStats, _Mapping]] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class TransferStats(_message.Message):
-    __slots__ = ("transfers", "frames", "pages", "bytes", "duration_s", "failures", "pending")
+    __slots__ = ("transfers", "frames", "pages", "bytes", "duration_s", "failures", "pending", "waiting", "shm_frames")
     class FailuresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +188,8 @@ class TransferStats(_message.Message):
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    SHM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     transfers: int
     frames: int
     pages: int
@@ -183,4 +197,6 @@ class TransferStats(_message.Message):
     duration_s: float
     failures: _containers.ScalarMap[str, int]
     pending: int
-    def __init__(self, transfers: _Optional[int] = ..., frames: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., failures: _Optional[_Mapping[str, int]] = ..., pending: _Optional[int] = ...) -> None: ...
+    waiting: int
+    shm_frames: int
+    def __init__(self, transfers: _Optional[int] = ..., frames: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., failures: _Optional[_Mapping[str, int]] = ..., pending: _Optional[int] = ..., waiting: _Optional[int] = ..., shm_frames: _Optional[int] = ...) -> None: ...

@@ -106,8 +106,9 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateImported(self, request, context):
-        """Called by the gateway on a decode worker: reserve pages (OVERLOADED when none are free),
-        pull the KV from the named prefill worker, verify every frame, import, then decode.
+        """Called by the gateway on a decode worker: reserve pages (waiting in arrival order while
+        none are free: DEADLINE_EXCEEDED past the call's deadline, OVERLOADED past the transfer
+        timeout), pull the KV from the named prefill worker, verify every frame, import, decode.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
