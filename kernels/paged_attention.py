@@ -8,7 +8,9 @@ On CPU, decode runs the C++ op (`kernels/cpu/paged_decode.cpp`), which reads pag
 storage format row by row instead of gathering a float copy; the torch twin is its oracle.
 With `hadamard` (fp8 pages written by `store_kv(..., hadamard=True)`), K and V are stored
 rotated: q is rotated the same way (q.k unchanged) and the output rotated back, per head
-(`kernels/hadamard.py`, QuaRot's online Hadamard).
+(`kernels/hadamard.py`, QuaRot's online Hadamard). With `q_scale` / `out_scale` ([kv_heads,
+dim] float32, smoothed fp8 pages: `runtime/kv/smoothing.py`), each query is multiplied by its KV
+head's q_scale before that rotation and each output by out_scale after it.
 """
 
 from __future__ import annotations
@@ -50,17 +52,27 @@ def _gather_scales(scale: torch.Tensor, page_ids: torch.Tensor,
     return flat.view(heads, *page_ids.shape[:-1], page_ids.shape[-1] * page_size)
 
 
+def _per_kv_head(x: torch.Tensor, factor: torch.Tensor | None, kv_heads: int) -> torch.Tensor:
+    """x: [tokens, heads, dim] times factor [kv_heads, dim] along each head's KV head."""
+    if factor is None:
+        return x
+    tokens, heads, dim = x.shape
+    return (x.view(tokens, kv_heads, heads // kv_heads, dim) * factor[:, None]).view(x.shape)
+
+
 def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                k_scale: torch.Tensor | None = None,
                                v_scale: torch.Tensor | None = None,
-                               hadamard: bool = False) -> torch.Tensor:
+                               hadamard: bool = False, q_scale: torch.Tensor | None = None,
+                               out_scale: torch.Tensor | None = None) -> torch.Tensor:
     # q: [batch, heads, dim]; page_table: [batch, max_pages]; context_lens: [batch] long
     batch, num_heads, dim = q.shape
     rotated = hadamard and k_cache.dtype == torch.uint8
+    kv_heads, _, page_size, _ = k_cache.shape
+    q = _per_kv_head(q.contiguous(), q_scale, kv_heads)
     if rotated:
         q = fwht(q).to(q.dtype)
-    kv_heads, _, page_size, _ = k_cache.shape
     group = num_heads // kv_heads
     positions = torch.arange(page_table.shape[1] * page_size, device=q.device)
     mask = positions.unsqueeze(0) < context_lens.unsqueeze(1)
@@ -80,7 +92,8 @@ def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out = torch.matmul(probs.to(v.dtype), v)  # [kv_heads, batch, group, dim]
     if rotated:
         out = fwht(out).to(q.dtype)
-    return out.transpose(0, 1).reshape(batch, num_heads * dim)
+    out = _per_kv_head(out.transpose(0, 1).reshape(batch, num_heads, dim), out_scale, kv_heads)
+    return out.reshape(batch, num_heads * dim)
 
 
 def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -88,14 +101,16 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 mask: torch.Tensor | None, scale: float,
                                 k_scale: torch.Tensor | None = None,
                                 v_scale: torch.Tensor | None = None,
-                                hadamard: bool = False) -> torch.Tensor:
+                                hadamard: bool = False, q_scale: torch.Tensor | None = None,
+                                out_scale: torch.Tensor | None = None) -> torch.Tensor:
     # q: [chunk, heads, dim] for one sequence; keys are its first context_len cached tokens.
     # mask: [chunk, context_len] bool (True = attend) or None for plain causal from position 0.
     chunk, num_heads, dim = q.shape
     rotated = hadamard and k_cache.dtype == torch.uint8
+    kv_heads = k_cache.shape[0]
+    q = _per_kv_head(q.contiguous(), q_scale, kv_heads)
     if rotated:
         q = fwht(q).to(q.dtype)
-    kv_heads = k_cache.shape[0]
     rows = _page_rows(k_cache, page_ids)
     k = _gather_pages(k_cache, page_ids, rows, q.dtype)[:, :context_len]  # [kv_heads, L, dim]
     v = _gather_pages(v_cache, page_ids, rows, q.dtype)[:, :context_len]
@@ -110,7 +125,8 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     )[0]  # [heads, chunk, dim]
     if rotated:
         out = fwht(out).to(q.dtype)
-    return out.transpose(0, 1).reshape(chunk, num_heads * dim)
+    out = _per_kv_head(out.transpose(0, 1).contiguous(), out_scale, kv_heads)
+    return out.reshape(chunk, num_heads * dim)
 
 
 def decode_pads_to_longest(device: torch.device) -> bool:
@@ -123,19 +139,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
-                           hadamard: bool = False) -> torch.Tensor:
+                           hadamard: bool = False, q_scale: torch.Tensor | None = None,
+                           out_scale: torch.Tensor | None = None) -> torch.Tensor:
     ops = native() if q.device.type == "cpu" and q.dtype == torch.float32 else None
     if ops is None:
         return ref_paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale,
-                                          k_scale, v_scale, hadamard)
+                                          k_scale, v_scale, hadamard, q_scale, out_scale)
     return ops.paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale,
-                                      k_scale, v_scale, hadamard)
+                                      k_scale, v_scale, hadamard, q_scale, out_scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             page_ids: torch.Tensor, context_len: int, mask: torch.Tensor | None,
                             scale: float, k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None,
-                            hadamard: bool = False) -> torch.Tensor:
+                            hadamard: bool = False, q_scale: torch.Tensor | None = None,
+                            out_scale: torch.Tensor | None = None) -> torch.Tensor:
     return ref_paged_prefill_attention(q, k_cache, v_cache, page_ids, context_len, mask, scale,
-                                       k_scale, v_scale, hadamard)
+                                       k_scale, v_scale, hadamard, q_scale, out_scale)

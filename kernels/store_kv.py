@@ -2,7 +2,9 @@
 
 On CPU the C++ op (`kernels/cpu/store_kv.cpp`) does each of K and V in one call, bit for bit
 the torch twin's result. With `hadamard`, fp8 pages get the rows' Walsh-Hadamard rotation
-(`kernels/hadamard.py`), quantized; other page formats ignore it.
+(`kernels/hadamard.py`), quantized; other page formats ignore it. Smoothed fp8 pages
+(`runtime/kv/smoothing.py`) store (x - shift) / divisor per (head, channel), before the
+rotation (`k_shift`, `k_divisor`, `v_divisor`: [kv_heads, dim] float32 or None).
 """
 
 from __future__ import annotations
@@ -15,10 +17,15 @@ from kernels.hadamard import fwht
 
 
 def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
-           slot_mapping: torch.Tensor, hadamard: bool) -> None:
+           slot_mapping: torch.Tensor, hadamard: bool, shift: torch.Tensor | None = None,
+           divisor: torch.Tensor | None = None) -> None:
     heads, pages, page_size, dim = cache.shape
-    if cache.dtype == torch.uint8:
+    if cache.dtype != torch.uint8:
+        assert shift is None and divisor is None, "smoothing is for fp8 pages"
+    else:
         assert scale is not None and scale.shape == (heads, pages, page_size), "fp8 needs scales"
+        x = x if shift is None else x - shift
+        x = x if divisor is None else x / divisor
         # q: [tokens, heads, dim] e4m3; s: [tokens, heads] bf16
         q, s = quantize_fp8_kv(fwht(x) if hadamard else x)
         x = q.view(torch.uint8)
@@ -29,24 +36,29 @@ def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
 
 def ref_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, hadamard: bool = False) -> None:
+                 v_scale: torch.Tensor | None = None, hadamard: bool = False,
+                 k_shift: torch.Tensor | None = None, k_divisor: torch.Tensor | None = None,
+                 v_divisor: torch.Tensor | None = None) -> None:
     # k, v: [tokens, kv_heads, dim]; caches: [kv_heads, pages, page_size, dim]
     heads, _, _, dim = k_cache.shape
     assert k.shape == v.shape and k.shape[1:] == (heads, dim), (k.shape, k_cache.shape)
     assert slot_mapping.shape == (k.shape[0],)
-    _store(k, k_cache, k_scale, slot_mapping, hadamard)
-    _store(v, v_cache, v_scale, slot_mapping, hadamard)
+    _store(k, k_cache, k_scale, slot_mapping, hadamard, k_shift, k_divisor)
+    _store(v, v_cache, v_scale, slot_mapping, hadamard, None, v_divisor)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None, hadamard: bool = False) -> None:
+             v_scale: torch.Tensor | None = None, hadamard: bool = False,
+             k_shift: torch.Tensor | None = None, k_divisor: torch.Tensor | None = None,
+             v_divisor: torch.Tensor | None = None) -> None:
     ops = native() if k.device.type == "cpu" and k.dtype == torch.float32 else None
     if ops is None:
-        ref_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, hadamard)
+        ref_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, hadamard,
+                     k_shift, k_divisor, v_divisor)
         return
-    ops.store_kv_rows(k, k_cache, slot_mapping, k_scale, hadamard)
-    ops.store_kv_rows(v, v_cache, slot_mapping, v_scale, hadamard)
+    ops.store_kv_rows(k, k_cache, slot_mapping, k_scale, hadamard, k_shift, k_divisor)
+    ops.store_kv_rows(v, v_cache, slot_mapping, v_scale, hadamard, None, v_divisor)
 
 
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -12,8 +12,7 @@ from runtime.errors import TesseraError
 def build_parser() -> argparse.ArgumentParser:
     from gateway.serve import add_serve_parser
     from ops.bench.serving.cli import add_bench_parser
-    from runtime.cli import add_chat_parser, add_generate_parser
-    from runtime.cli_convert import add_convert_parser
+    from runtime.cli import add_chat_parser, add_convert_parser, add_generate_parser
 
     parser = argparse.ArgumentParser(prog="tessera", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

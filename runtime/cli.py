@@ -1,4 +1,5 @@
-"""The offline subcommands of `tessera`: generate and chat (the command itself is ops/cli.py)."""
+"""The offline subcommands of `tessera`: generate, chat and convert's flags (the command itself is
+ops/cli.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from typing import Any
 
 from runtime.engine_flags import add_engine_flags, engine_config
+from runtime.formats import CONVERT_METHODS, INT4_GROUP_SIZES
 
 HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 
@@ -95,3 +97,55 @@ def add_chat_parser(sub: Any) -> argparse.ArgumentParser:
     _sampling_args(chat, 256)
     chat.set_defaults(fn=cmd_chat)
     return chat
+
+
+# NOTE: the parser lives here, torch-free, because `tessera serve` builds every subcommand's
+# parser in the gateway process; the conversion itself (runtime.cli_convert) imports torch.
+CONVERT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_convert_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("convert", help="write a checkpoint with fp8 or int4 projections",
+                              formatter_class=HELP_FORMAT)
+    p.add_argument("src", nargs="?", default=None,
+                   help="GGUF file or HF safetensors directory (default: the embedded SmolLM2)")
+    p.add_argument("dst", help="new directory for the converted checkpoint")
+    p.add_argument("--weights", required=True, choices=["int4", "fp8", "fp8-block"],
+                   help="format of the projections (fp8: a scale per output channel; "
+                        "fp8-block: DeepSeek-V3's 128x128 block scales, weight_scale_inv)")
+    p.add_argument("--group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES),
+                   help="int4 group size")
+    p.add_argument("--asymmetric", action="store_true", help="int4 with a zero point per group")
+    p.add_argument("--dtype", default="auto", choices=list(CONVERT_DTYPES),
+                   help="dtype of unquantized tensors (default: as in a safetensors source, "
+                        "bfloat16 from GGUF)")
+    p.add_argument("--method", default="rtn", choices=list(CONVERT_METHODS),
+                   help="rounding: rtn (round to nearest; int4 with a per-group scale search) or "
+                        "gptq (calibrated on standard-library docstrings)")
+    p.add_argument("--calibration-windows", type=int, default=64,
+                   help="gptq: windows of 256 tokens to calibrate on")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="gptq: round columns by decreasing input energy, with static groups "
+                        "(default on for gptq)")
+    p.add_argument("--strict-groups", action="store_true",
+                   help="refuse an input dimension the group size does not divide, instead of "
+                        "a shorter last group")
+    p.set_defaults(fn=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from runtime.cli_convert import convert_checkpoint
+    from runtime.formats import WeightFormat
+
+    fmt = WeightFormat.parse(args.weights, args.group_size, not args.asymmetric)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    src_bytes, dst_bytes = convert_checkpoint(args.src, args.dst, fmt, dtype,
+                                              partial_groups=not args.strict_groups,
+                                              method=args.method,
+                                              calibration_windows=args.calibration_windows,
+                                              act_order=args.act_order)
+    print(f"{fmt.label} ({args.method}): source {src_bytes:,} bytes -> {args.dst} "
+          f"{dst_bytes:,} bytes ({dst_bytes / src_bytes:.2f}x)")
+    return 0

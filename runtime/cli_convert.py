@@ -7,7 +7,6 @@ projections are FP8 or INT4 (packed, with scales), described by config.json's
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 
 from runtime.errors import InvalidArgument
-from runtime.formats import INT4_GROUP_SIZES, WeightFormat
+from runtime.formats import CONVERT_METHODS, WeightFormat
 from runtime.loader import Checkpoint, open_checkpoint
 from runtime.loader.quantized import quantization_config
 from runtime.models.llama import map_checkpoint_name
@@ -29,11 +28,7 @@ from runtime.quant.convert import (
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "generation_config.json")
-_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
-
-
-METHODS = ("rtn", "gptq")
+METHODS = CONVERT_METHODS
 
 
 def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightFormat,
@@ -141,44 +136,3 @@ def _size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-
-
-def add_convert_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("convert", help="write a checkpoint with fp8 or int4 projections",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("src", nargs="?", default=None,
-                   help="GGUF file or HF safetensors directory (default: the embedded SmolLM2)")
-    p.add_argument("dst", help="new directory for the converted checkpoint")
-    p.add_argument("--weights", required=True, choices=["int4", "fp8", "fp8-block"],
-                   help="format of the projections (fp8: a scale per output channel; "
-                        "fp8-block: DeepSeek-V3's 128x128 block scales, weight_scale_inv)")
-    p.add_argument("--group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES),
-                   help="int4 group size")
-    p.add_argument("--asymmetric", action="store_true", help="int4 with a zero point per group")
-    p.add_argument("--dtype", default="auto", choices=list(_DTYPES),
-                   help="dtype of unquantized tensors (default: as in a safetensors source, "
-                        "bfloat16 from GGUF)")
-    p.add_argument("--method", default="rtn", choices=list(METHODS),
-                   help="rounding: rtn (round to nearest; int4 with a per-group scale search) or "
-                        "gptq (calibrated on standard-library docstrings)")
-    p.add_argument("--calibration-windows", type=int, default=64,
-                   help="gptq: windows of 256 tokens to calibrate on")
-    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
-                   help="gptq: round columns by decreasing input energy, with static groups "
-                        "(default on for gptq)")
-    p.add_argument("--strict-groups", action="store_true",
-                   help="refuse an input dimension the group size does not divide, instead of "
-                        "a shorter last group")
-    p.set_defaults(fn=cmd_convert)
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    fmt = WeightFormat.parse(args.weights, args.group_size, not args.asymmetric)
-    src_bytes, dst_bytes = convert_checkpoint(args.src, args.dst, fmt, _DTYPES[args.dtype],
-                                              partial_groups=not args.strict_groups,
-                                              method=args.method,
-                                              calibration_windows=args.calibration_windows,
-                                              act_order=args.act_order)
-    print(f"{fmt.label} ({args.method}): source {src_bytes:,} bytes -> {args.dst} "
-          f"{dst_bytes:,} bytes ({dst_bytes / src_bytes:.2f}x)")
-    return 0

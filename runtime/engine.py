@@ -20,6 +20,7 @@ from runtime.errors import (
 from runtime.grammar import GrammarCompiler
 from runtime.heap import release_free_heap
 from runtime.integrity import TRACKERS, Violation
+from runtime.kv import smoothing
 from runtime.kv.budget import auto_kv_cache_bytes
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
@@ -28,6 +29,7 @@ from runtime.loader import Checkpoint, open_checkpoint
 from runtime.model_runner import ModelRunner
 from runtime.models import model_class
 from runtime.models.layout import use_column_major_weights
+from runtime.models.meta_init import meta_without_init
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.progress import progress
 from runtime.request_state import RequestState
@@ -81,6 +83,7 @@ class LLMEngine:
             checkpoint_format=checkpoint.quantization)
         self.tp = self._join_tensor_parallel()
         self.prefill_model, self.decode_model = self._build_models()
+        self.checkpoint.release_file_pages()  # the model holds its own copies now
         release_free_heap()  # the load's transient buffers, back to the OS before serving
         # NOTE: colocated, KV is written in the decode phase's format whoever writes it.
         spec = KVCacheSpec.for_model(self.model_config, config.page_size, self.formats.kv)
@@ -95,6 +98,12 @@ class LLMEngine:
                                       f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
             self.kv_cache = KVCache(spec, tp_pages, self.device)
             self.kv_cache.budget_bytes = budget
+        if smoothing.SMOOTH_FP8_KEYS and spec.is_fp8 and not spec.latent and self.tp is None:
+            self.kv_cache.key_smoothing = smoothing.calibrate_key_smoothing(
+                self.prefill_model, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                smoothing.calibration_windows(
+                    lambda text: self.tokenizer.encode(text, add_special_tokens=False)),
+                self.device)
         num_pages, self.kv_cache_budget_bytes = self.kv_cache.num_pages, self.kv_cache.budget_bytes
         self.pool = PagePool(num_pages, config.page_size)
         self.max_model_len = min(self.model_config.max_position_embeddings,
@@ -130,14 +139,15 @@ class LLMEngine:
     def _build_models(self) -> tuple[torch.nn.Module, torch.nn.Module]:
         """The prefill and decode models: one object when both phases serve the same weights,
         else two sharing everything but the linear layers (both resident, both counted)."""
-        with torch.device("meta"):
+        with meta_without_init():
             model = model_class(self.model_config)(self.model_config)
         from runtime.loader.gguf_blocks import load_gguf_as_stored, serves_as_stored
 
         # NOTE: tensor-parallel ranks shard dense weights: blocks are served on one rank only.
         if self.tp is None and serves_as_stored(self.config.gguf_weights, self.checkpoint,
                                                 self.formats, self.dtype, self.device):
-            load_gguf_as_stored(model, self.checkpoint, self.dtype)  # type: ignore[arg-type]
+            load_gguf_as_stored(model, self.checkpoint, self.dtype,  # type: ignore[arg-type]
+                                self.config.gguf_activations)
             base = model.to(self.device).eval()
             return base, base
         stored = self.checkpoint.quantization
@@ -320,6 +330,7 @@ class LLMEngine:
             for out in self.step():
                 if out.request_id == rid and out.error is not None:
                     raise out.error
+        release_free_heap()  # the grammar tokenizer's and the step's transient buffers
 
     def abort_request(self, request_id: str,
                       error: TesseraError | None = None) -> RequestOutput | None:

@@ -28,6 +28,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "fp8", "int4")
 KV_FORMATS = ("fp32", "bf16", "fp16", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
+# how `tessera convert` rounds: round to nearest, or GPTQ's calibrated rounding
+CONVERT_METHODS = ("rtn", "gptq")
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's quantization_config.weight_block_size
 
 FP8_WEIGHT_SCALE_BYTES = 4  # float32, one per output channel

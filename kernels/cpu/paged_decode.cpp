@@ -4,6 +4,8 @@
 // One work item per (sequence, KV head): its query heads (GQA group) share every K/V row read.
 // Pages stored Hadamard-rotated (see kernels/hadamard.py) are read with q rotated the same way
 // and the output rotated back: two dim-sized transforms per query head, none per K/V row.
+// Smoothed pages (runtime/kv/smoothing.py) take q times a per-(KV head, channel) scale before the
+// rotation and multiply the output by another after it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -22,17 +24,23 @@ void decode_attention(const float* q, const T* k, const T* v, const c10::BFloat1
                       const c10::BFloat16* v_scale, const int64_t* table, const int64_t* lens,
                       float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t pages,
                       int64_t page_size, int64_t run_dim, int64_t max_pages, float scale,
-                      bool hadamard) {
+                      bool hadamard, const float* q_scale, const float* out_scale) {
   const int64_t dim = kDim > 0 ? kDim : run_dim;
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(dim), acc(group * dim), probs, q_rot(hadamard ? group * dim : 0);
+    const bool prep = hadamard || q_scale;
+    std::vector<float> row(dim), acc(group * dim), probs, q_rot(prep ? group * dim : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads, len = lens[b];
       const float* qg = q + (b * heads + h * group) * dim;
-      if (hadamard) {
+      if (prep) {
         std::copy(qg, qg + group * dim, q_rot.begin());
-        for (int64_t g = 0; g < group; ++g) fwht_inplace(q_rot.data() + g * dim, dim);
+        for (int64_t g = 0; g < group; ++g) {
+          float* qr = q_rot.data() + g * dim;
+          if (q_scale)
+            for (int64_t j = 0; j < dim; ++j) qr[j] *= q_scale[h * dim + j];
+          if (hadamard) fwht_inplace<kDim>(qr, dim);
+        }
         qg = q_rot.data();
       }
       const int64_t* pt = table + b * max_pages;
@@ -41,21 +49,34 @@ void decode_attention(const float* q, const T* k, const T* v, const c10::BFloat1
       float* rw = row.data();
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = (h * pages + pt[t / page_size]) * page_size + t % page_size;
-        load_row(k + slot * dim, rw, dim);
+        const float* kr = rw;
+        if constexpr (std::is_same_v<T, float>) {
+          kr = k + slot * dim;  // float pages are read in place, not copied
+        } else {
+          load_row(k + slot * dim, rw, dim);
+        }
         const float ks = k_scale ? bf16_to_float(k_scale[slot]) * scale : scale;
-        for (int64_t g = 0; g < group; ++g) pr[g * len + t] = dot(qg + g * dim, rw, dim) * ks;
+        for (int64_t g = 0; g < group; ++g) pr[g * len + t] = dot(qg + g * dim, kr, dim) * ks;
       }
       for (int64_t g = 0; g < group; ++g) softmax_inplace(pr + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.0f);
       float* ac = acc.data();
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = (h * pages + pt[t / page_size]) * page_size + t % page_size;
-        load_row(v + slot * dim, rw, dim);
+        const float* vr = rw;
+        if constexpr (std::is_same_v<T, float>) {
+          vr = v + slot * dim;
+        } else {
+          load_row(v + slot * dim, rw, dim);
+        }
         const float vs = v_scale ? bf16_to_float(v_scale[slot]) : 1.0f;
-        for (int64_t g = 0; g < group; ++g) axpy(pr[g * len + t] * vs, rw, ac + g * dim, dim);
+        for (int64_t g = 0; g < group; ++g) axpy(pr[g * len + t] * vs, vr, ac + g * dim, dim);
       }
-      if (hadamard)
-        for (int64_t g = 0; g < group; ++g) fwht_inplace(ac + g * dim, dim);
+      for (int64_t g = 0; g < group; ++g) {
+        if (hadamard) fwht_inplace<kDim>(ac + g * dim, dim);
+        if (out_scale)
+          for (int64_t j = 0; j < dim; ++j) ac[g * dim + j] *= out_scale[h * dim + j];
+      }
       std::copy(acc.begin(), acc.end(), out + (b * heads + h * group) * dim);
     }
   });
@@ -65,7 +86,8 @@ template <typename T>
 void dispatch_dim(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const c10::BFloat16* ks, const c10::BFloat16* vs, const int64_t* table,
                   const int64_t* lens, float* out, int64_t batch, int64_t heads, float scale,
-                  int64_t max_pages, bool hadamard) {
+                  int64_t max_pages, bool hadamard, const float* q_scale,
+                  const float* out_scale) {
   const int64_t kv_heads = k_cache.size(0), pages = k_cache.size(1);
   const int64_t page_size = k_cache.size(2), dim = k_cache.size(3);
   const T* k = k_cache.data_ptr<T>();
@@ -73,7 +95,7 @@ void dispatch_dim(const float* q, const at::Tensor& k_cache, const at::Tensor& v
   auto run = [&](auto fixed) {
     decode_attention<T, decltype(fixed)::value>(q, k, v, ks, vs, table, lens, out, batch, heads,
                                                 kv_heads, pages, page_size, dim, max_pages,
-                                                scale, hadamard);
+                                                scale, hadamard, q_scale, out_scale);
   };
   if (dim == 64) run(std::integral_constant<int, 64>());
   else if (dim == 128) run(std::integral_constant<int, 128>());
@@ -95,7 +117,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
                                      at::Tensor v_cache, at::Tensor page_table,
                                      at::Tensor context_lens, double scale,
                                      c10::optional<at::Tensor> k_scale,
-                                     c10::optional<at::Tensor> v_scale, bool hadamard) {
+                                     c10::optional<at::Tensor> v_scale, bool hadamard,
+                                     c10::optional<at::Tensor> q_scale,
+                                     c10::optional<at::Tensor> out_scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [batch, heads, dim] float32");
   check_cache(k_cache, k_cache, "k_cache");
   check_cache(v_cache, k_cache, "v_cache");
@@ -136,6 +160,16 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
     ks = ksc.data_ptr<c10::BFloat16>();
     vs = vsc.data_ptr<c10::BFloat16>();
   }
+  // q_scale / out_scale: [kv_heads, dim] float32, or none
+  at::Tensor qsc, osc;
+  for (auto [opt, dst] : {std::pair{&q_scale, &qsc}, std::pair{&out_scale, &osc}}) {
+    if (!opt->has_value()) continue;
+    *dst = (*opt)->contiguous();
+    TORCH_CHECK(dst->scalar_type() == at::kFloat && dst->numel() == kv_heads * dim,
+                "q_scale and out_scale must be [kv_heads, head_dim] float32");
+  }
+  const float* qs = qsc.defined() ? qsc.data_ptr<float>() : nullptr;
+  const float* os = osc.defined() ? osc.data_ptr<float>() : nullptr;
   auto qc = q.contiguous();
   auto out = at::empty({batch, heads * dim}, q.options());
   const float s = static_cast<float>(scale);
@@ -144,19 +178,19 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   switch (k_cache.scalar_type()) {
     case at::kByte:
       dispatch_dim<uint8_t>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages,
-                            hadamard);
+                            hadamard, qs, os);
       break;
     case at::kBFloat16:
       dispatch_dim<c10::BFloat16>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s,
-                                  max_pages, false);
+                                  max_pages, false, qs, os);
       break;
     case at::kHalf:
       dispatch_dim<c10::Half>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s,
-                              max_pages, false);
+                              max_pages, false, qs, os);
       break;
     case at::kFloat:
       dispatch_dim<float>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages,
-                          false);
+                          false, qs, os);
       break;
     default:
       TORCH_CHECK(false, "unsupported KV page dtype ", k_cache.scalar_type());

@@ -2,7 +2,9 @@
 // fp16 pages, and for e4m3 pages the same quantization as `kernels.fp8.quantize_fp8_kv`
 // (bf16 scale = amax / 448 rounded to nearest even, floored at 1e-12; NaN -> 0, +-inf -> +-896
 // before dividing by the rounded scale; clamp to +-448; round to nearest even), bit for bit,
-// optionally after the row's Walsh-Hadamard rotation (`fwht_inplace`).
+// optionally after the row's Walsh-Hadamard rotation (`fwht_inplace`), and before that a
+// per-(head, channel) smoothing (x - shift) / divisor (runtime/kv/smoothing.py), in the twin's
+// order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -59,8 +61,10 @@ void cast_rows(const float* x, T* cache, const int64_t* slots, int64_t tokens, i
 // x: [tokens, kv_heads, dim] float32; cache: [kv_heads, pages, page_size, dim];
 // slots: [tokens] int64 flat slot (page * page_size + offset); scale: e4m3 pages only,
 // [kv_heads, pages, page_size] bf16; hadamard: e4m3 rows are rotated first (dim a power of 2).
+// shift, divisor: [heads, dim] float32 or none (e4m3 pages only).
 void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
-                   c10::optional<at::Tensor> scale, bool hadamard) {
+                   c10::optional<at::Tensor> scale, bool hadamard,
+                   c10::optional<at::Tensor> shift, c10::optional<at::Tensor> divisor) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "x must be [tokens, heads, dim] float32");
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "cache must be contiguous 4-d");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
@@ -73,6 +77,8 @@ void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
     TORCH_CHECK(sp[t] >= 0 && sp[t] < slots_per_head, "slot out of range");
   auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
+  TORCH_CHECK(cache.scalar_type() == at::kByte || (!shift.has_value() && !divisor.has_value()),
+              "smoothing is for e4m3 pages");
   switch (cache.scalar_type()) {
     case at::kByte: {
       TORCH_CHECK(!hadamard || (dim >= 2 && (dim & (dim - 1)) == 0),
@@ -80,17 +86,32 @@ void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
       TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kBFloat16 &&
                       scale->is_contiguous() && scale->numel() == heads * slots_per_head,
                   "e4m3 pages need a contiguous [kv_heads, pages, page_size] bf16 scale");
+      at::Tensor shc, dvc;
+      for (auto [opt, dst] : {std::pair{&shift, &shc}, std::pair{&divisor, &dvc}}) {
+        if (!opt->has_value()) continue;
+        *dst = (*opt)->contiguous();
+        TORCH_CHECK(dst->scalar_type() == at::kFloat && dst->numel() == heads * dim,
+                    "shift and divisor must be [heads, dim] float32");
+      }
+      const float* shp = shc.defined() ? shc.data_ptr<float>() : nullptr;
+      const float* dvp = dvc.defined() ? dvc.data_ptr<float>() : nullptr;
+      const bool prep = hadamard || shp || dvp;
       uint8_t* cp = cache.data_ptr<uint8_t>();
       c10::BFloat16* scp = scale->data_ptr<c10::BFloat16>();
       at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
-        std::vector<float> rotated(hadamard ? dim : 0);
+        std::vector<float> rotated(prep ? dim : 0);
         for (int64_t i = begin; i < end; ++i) {
           const int64_t t = i / heads, h = i % heads, at = h * slots_per_head + sp[t];
           const float* row = xp + i * dim;
-          if (hadamard) {
-            std::copy(row, row + dim, rotated.begin());
-            fwht_inplace(rotated.data(), dim);
-            row = rotated.data();
+          if (prep) {
+            float* r = rotated.data();
+            std::copy(row, row + dim, r);
+            if (shp)
+              for (int64_t j = 0; j < dim; ++j) r[j] -= shp[h * dim + j];
+            if (dvp)
+              for (int64_t j = 0; j < dim; ++j) r[j] /= dvp[h * dim + j];
+            if (hadamard) fwht_any(r, dim);
+            row = r;
           }
           quantize_row(row, cp + at * dim, scp + at, dim);
         }

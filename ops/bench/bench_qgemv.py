@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.qgemv import pack_q4_blocks, q4_dequantize, q4_linear, q8_linear
+from kernels.qgemv_i8 import int8_kernels_available, q4_linear_i8, q8_linear_i8
 from runtime.quant.linear import Int4Linear
 
 # (name, out, in): SmolLM2-135M's fused projections and its tied lm_head (Q8_0 in the file)
@@ -38,8 +39,12 @@ def methods(out_f: int, in_f: int, gen: torch.Generator) -> dict[str, Callable]:
     if out_f == 49152:  # the lm_head: Q8_0 in the file
         q8 = torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8, generator=gen)
         out["q8 kernel (Q8_0)"] = lambda x: q8_linear(x, q8, d)
+        if int8_kernels_available():
+            out["q8 kernel, int8 x (VNNI)"] = lambda x: q8_linear_i8(x, q8, d)
         return out
     out["q4 kernel (Q4_1, g32 fp16)"] = lambda x: q4_linear(x, qs, d, m, 32)
+    if int8_kernels_available():
+        out["q4 kernel, int8 x (VNNI)"] = lambda x: q4_linear_i8(x, qs, d, m)
     out["q4 dequant + F.linear"] = lambda x: F.linear(x, q4_dequantize(qs, d, m, 32))
     ours = Int4Linear.from_float(w, group_size=128, layout="q4_blocks")
     torch_pack = Int4Linear.from_float(w, group_size=128, layout="cpu_int4pack")

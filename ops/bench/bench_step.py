@@ -2,6 +2,7 @@
 
     python3 -m ops.bench.bench_step --concurrency 1 8 32 --steps 20 --ref main
     python3 -m ops.bench.bench_step --concurrency 1 32 --profile   # top ops of one step
+    python3 -m ops.bench.bench_step --config gguf_activations=float32   # an EngineConfig field
 
 Each concurrency admits that many requests with ~100-token prompts (real text), runs their
 prefills, then times `--steps` engine steps in which every request decodes one token (the
@@ -28,7 +29,8 @@ PROMPT = ("The history of computing is a story of machines that grew smaller, fa
           "cheaper, while the problems people asked them to solve grew larger. ")
 
 
-def _engine(threads: int | None, kv_cache_bytes: int, max_seqs: int) -> Any:
+def _engine(threads: int | None, kv_cache_bytes: int, max_seqs: int,
+            extra: dict[str, str] | None = None) -> Any:
     import torch
 
     from runtime.config import EngineConfig
@@ -37,7 +39,7 @@ def _engine(threads: int | None, kv_cache_bytes: int, max_seqs: int) -> Any:
     if threads is not None:
         torch.set_num_threads(threads)
     config = EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_seqs,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, **(extra or {}))
     return LLMEngine.from_path(None, config)
 
 
@@ -48,7 +50,7 @@ def decode_step_ms(engine: Any, concurrency: int, steps: int, warmup: int = 3,
     steadier of the two, exact at one thread)."""
     from runtime.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + warmup + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + warmup + 8, temperature=0.0, ignore_eos=True)
     ids = [f"s{concurrency}-{i}" for i in range(concurrency)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, f"{i}. " + PROMPT * 4, params)
@@ -80,7 +82,8 @@ def _profile_one_step(engine: Any, concurrency: int, top: int = 15) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
-    engine = _engine(args.threads, args.kv_cache_bytes, max(args.concurrency))
+    extra = dict(kv.split("=", 1) for kv in args.config)
+    engine = _engine(args.threads, args.kv_cache_bytes, max(args.concurrency), extra)
     engine.warm_up()
     return {str(c): decode_step_ms(engine, c, args.steps, profile=args.profile)
             for c in args.concurrency}
@@ -90,6 +93,7 @@ def _worker_command(args: argparse.Namespace, tree: Path) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--steps", str(args.steps),
            "--kv-cache-bytes", str(args.kv_cache_bytes), "--tree", str(tree),
            "--concurrency", *map(str, args.concurrency)]
+    cmd += [f"--config={kv}" for kv in args.config]
     return cmd + (["--threads", str(args.threads)] if args.threads else [])
 
 
@@ -137,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="with --ref: alternations of trees")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
     p.add_argument("--json", action="store_true", help="print the raw step times as JSON")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="an EngineConfig string field, e.g. gguf_activations=float32 "
+                        "(repeatable; passed to --ref's tree too)")
     p.add_argument("--tree", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ref is not None:

@@ -13,7 +13,8 @@ Everything after `--` goes to `tessera bench serve` unchanged (its JSON is writt
 `/v1/completions` answer (weights loaded, kernels ready, the first request served). RSS is the
 resident set of the server's whole process tree (gateway plus workers for tessera), in MiB:
 idle is read after the readiness request and a settle pause; under load is the largest sample
-(every 0.5 s) over the whole benchmark run, which drives each server in turn.
+(every 0.5 s) over the whole benchmark run, which drives each server in turn. PSS at idle counts
+shared libraries once across the tree, where summed RSS counts them once per process.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -46,6 +48,7 @@ class Peer:
     log: IO[bytes] | None = None  # the server's stdout and stderr, open while it runs
     cold_start_s: float = 0.0
     rss_idle_mib: float = 0.0
+    pss_idle_mib: float = 0.0
     rss_samples: list[tuple[float, float]] = field(default_factory=list)
 
     @property
@@ -53,6 +56,14 @@ class Peer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def tree_rss_mib(self) -> float:
+        return self._tree_mib(lambda p: p.memory_info().rss)
+
+    def tree_pss_mib(self) -> float:
+        """Proportional set size: shared libraries counted once across the tree, where summing
+        RSS counts them once per process (a cost only a multi-process server pays)."""
+        return self._tree_mib(lambda p: p.memory_full_info().pss)
+
+    def _tree_mib(self, size: Callable[[psutil.Process], int]) -> float:
         if self.proc is None:
             return 0.0
         try:
@@ -63,8 +74,8 @@ class Peer:
         total = 0
         for p in procs:
             try:
-                total += p.memory_info().rss
-            except psutil.NoSuchProcess:
+                total += size(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
         return total / 2**20
 
@@ -141,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             start(peer, args.api_key, args.out.parent, args.ready_timeout_s)
             time.sleep(args.settle_s)
             peer.rss_idle_mib = peer.tree_rss_mib()
-            print(f"{peer.label}: ready in {peer.cold_start_s:.1f} s, "
-                  f"idle RSS {peer.rss_idle_mib:.0f} MiB", flush=True)
+            peer.pss_idle_mib = peer.tree_pss_mib()
+            print(f"{peer.label}: ready in {peer.cold_start_s:.1f} s, idle RSS "
+                  f"{peer.rss_idle_mib:.0f} MiB, PSS {peer.pss_idle_mib:.0f} MiB", flush=True)
         done = threading.Event()
         sampler = threading.Thread(target=sample_rss, args=(peers, done), daemon=True)
         sampler.start()
@@ -157,14 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         for peer in peers:
             stop(peer)
     report = {peer.label: {"command": shlex.join(peer.command), "cold_start_s": peer.cold_start_s,
-                           "rss_idle_mib": peer.rss_idle_mib,
+                           "rss_idle_mib": peer.rss_idle_mib, "pss_idle_mib": peer.pss_idle_mib,
                            "rss_load_max_mib": max((r for _, r in peer.rss_samples), default=0.0),
                            "rss_samples": peer.rss_samples}
               for peer in peers}
     args.out.write_text(json.dumps({"serve_json": str(bench_out), "peers": report}, indent=1))
     for label, r in report.items():
         print(f"{label}: cold start {r['cold_start_s']:.1f} s, RSS idle "
-              f"{r['rss_idle_mib']:.0f} MiB, under load max {r['rss_load_max_mib']:.0f} MiB")
+              f"{r['rss_idle_mib']:.0f} MiB (PSS {r['pss_idle_mib']:.0f}), "
+              f"under load max {r['rss_load_max_mib']:.0f} MiB")
     return rc
 
 

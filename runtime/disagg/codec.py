@@ -2,13 +2,19 @@
 
 A payload holds, per layer of its range, K then V of the listed tokens as [kv_heads, tokens,
 head_dim] in the sender's KV storage format, then (fp8 only) K then V scales as bf16 [kv_heads,
-tokens]. Only valid tokens travel: a page's unused tail (stale bytes from its previous life)
-never leaves the sender.
+tokens] and the sender's smoothing of that layer (runtime/kv/smoothing.py: key shift, key and
+value channel scales, float32 [kv_heads, head_dim] each; 0 / 1 / 1 when it has none). Only
+valid tokens travel: a page's unused tail (stale bytes from its previous life) never leaves the
+sender.
 
 At import, a payload in the receiver's own format is copied byte for byte; any other format is
 decoded to float32 and written through `kernels.store_kv`, the same op the model writes KV
 with, so FP8 pages imported from fp32 KV are bit-identical to FP8 pages the decode engine
-would have written itself from the same values.
+would have written itself from the same values. FP8 pages hold Hadamard-rotated K/V where the
+spec says so (`KVCacheSpec.hadamard`): an FP8 payload is rotated back after decoding, and
+`store_kv` rotates what it writes into the receiver's rotated pages. Both ends run one build, so
+an FP8 payload copied byte for byte is rotated on both sides or on neither; it is copied only
+when both sides' smoothing is the same, else decoded, unsmoothed and written again.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from kernels import dequantize_fp8_kv, store_kv
-from runtime.kv.cache import KVCache, KVCacheSpec
+from kernels.hadamard import fwht
+from runtime.kv.cache import KVCache, KVCacheSpec, LayerKV, fp8_pages_rotated
 
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.uint8}
@@ -27,6 +34,19 @@ def token_bytes_per_layer(fmt: str, num_kv_heads: int, head_dim: int) -> int:
     elem = _STORAGE[fmt].itemsize
     scales = 2 * 2 * num_kv_heads if fmt == "fp8" else 0
     return 2 * num_kv_heads * head_dim * elem + scales
+
+
+def smoothing_bytes_per_layer(fmt: str, num_kv_heads: int, head_dim: int) -> int:
+    """Payload bytes of one layer's smoothing, whatever the token count (fp8 only)."""
+    return 3 * num_kv_heads * head_dim * 4 if fmt == "fp8" else 0
+
+
+def _layer_smoothing(kv: LayerKV, heads: int, dim: int) -> list[torch.Tensor]:
+    """[shift, k_channel_scale, v_channel_scale] of a layer, identity where it has none."""
+    zero, one = torch.zeros(heads, dim), torch.ones(heads, dim)
+    picked = (kv.k_shift, kv.k_channel_scale, kv.v_channel_scale)
+    return [d if t is None else t.float().cpu() for t, d in zip(picked, (zero, one, one),
+                                                               strict=True)]
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -44,6 +64,7 @@ def gather_payload(cache: KVCache, layers: tuple[int, int], slots: torch.Tensor)
         rows = [t.view(heads, -1, dim).index_select(1, slots) for t in (kv.k, kv.v)]
         if kv.k_scale is not None and kv.v_scale is not None:
             rows += [s.view(heads, -1).index_select(1, slots) for s in (kv.k_scale, kv.v_scale)]
+            rows += _layer_smoothing(kv, heads, dim)
         parts.extend(_to_bytes(r) for r in rows)
     return b"".join(parts)
 
@@ -55,7 +76,8 @@ def write_payload(cache: KVCache, payload: bytes, src_format: str, layers: tuple
     Raises ValueError when the payload's size does not match its layers and tokens."""
     spec: KVCacheSpec = cache.spec
     heads, dim, n = spec.num_kv_heads, spec.head_dim, int(slots.numel())
-    per_layer = token_bytes_per_layer(src_format, heads, dim) * n
+    smooth_bytes = smoothing_bytes_per_layer(src_format, heads, dim)
+    per_layer = token_bytes_per_layer(src_format, heads, dim) * n + smooth_bytes
     if len(payload) != per_layer * (layers[1] - layers[0]):
         raise ValueError(f"payload of {len(payload)} bytes for {n} tokens x "
                          f"{layers[1] - layers[0]} layers of {src_format}")
@@ -70,20 +92,26 @@ def write_payload(cache: KVCache, payload: bytes, src_format: str, layers: tuple
         v = buf[off + data_bytes : off + 2 * data_bytes].view(dtype).view(heads, n, dim)
         off += 2 * data_bytes
         ks = vs = None
+        smooth: list[torch.Tensor] | None = None
         if src_format == "fp8":
             ks = buf[off : off + scale_bytes].view(torch.bfloat16).view(heads, n)
             vs = buf[off + scale_bytes : off + 2 * scale_bytes].view(torch.bfloat16).view(heads, n)
             off += 2 * scale_bytes
-        _write_layer(cache, layer, src_format, k, v, ks, vs, slots)
+            smooth = list(buf[off : off + smooth_bytes].view(torch.float32).view(3, heads, dim))
+            off += smooth_bytes
+        _write_layer(cache, layer, src_format, k, v, ks, vs, slots, smooth)
 
 
 def _write_layer(cache: KVCache, layer: int, src_format: str, k: torch.Tensor, v: torch.Tensor,
-                 ks: torch.Tensor | None, vs: torch.Tensor | None, slots: torch.Tensor) -> None:
+                 ks: torch.Tensor | None, vs: torch.Tensor | None, slots: torch.Tensor,
+                 smooth: list[torch.Tensor] | None) -> None:
     spec = cache.spec
     heads, dim = spec.num_kv_heads, spec.head_dim
     kv = cache.layer(layer)
     dev = cache.k.device
-    if src_format == spec.format.name:  # same format: the bytes as they were
+    same_smoothing = smooth is None or all(
+        torch.equal(a, b) for a, b in zip(smooth, _layer_smoothing(kv, heads, dim), strict=True))
+    if src_format == spec.format.name and same_smoothing:  # the bytes as they were
         kv.k.view(heads, -1, dim).index_copy_(1, slots, k.to(dev))
         kv.v.view(heads, -1, dim).index_copy_(1, slots, v.to(dev))
         if kv.k_scale is not None and kv.v_scale is not None and ks is not None \
@@ -94,8 +122,14 @@ def _write_layer(cache: KVCache, layer: int, src_format: str, k: torch.Tensor, v
     if src_format == "fp8":
         assert ks is not None and vs is not None
         kf, vf = dequantize_fp8_kv(k, ks), dequantize_fp8_kv(v, vs)
+        if fp8_pages_rotated(dim, spec.latent):  # the sender's pages held the rotated rows
+            kf, vf = fwht(kf), fwht(vf)
+        if smooth is not None:  # undo the sender's smoothing: [heads, tokens, dim]
+            shift, k_div, v_div = (t[:, None] for t in smooth)
+            kf, vf = kf * k_div + shift, vf * v_div
     else:
         kf, vf = k.float(), v.float()
     # store_kv takes [tokens, kv_heads, dim]
     store_kv(kf.to(dev).transpose(0, 1).contiguous(), vf.to(dev).transpose(0, 1).contiguous(),
-             kv.k, kv.v, slots, kv.k_scale, kv.v_scale)
+             kv.k, kv.v, slots, kv.k_scale, kv.v_scale, kv.hadamard, kv.k_shift,
+             kv.k_channel_scale, kv.v_channel_scale)

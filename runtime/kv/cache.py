@@ -7,12 +7,11 @@ on CPU; GPU kernels index pages directly and do not care.
 FP8 (e4m3) pages hold the raw bytes as uint8 (index_copy_ and index_select work on them on
 every device) plus one bf16 scale per (token, KV head) in a parallel [kv_heads, pages,
 page_size] tensor: the scale lives beside its page, so a page is moved, verified or freed as
-one unit (see kernels/fp8.py for why per token per head). With `ROTATE_FP8_KV` (off, see
-there), FP8 K/V pages of a power-of-two head_dim hold the Walsh-Hadamard rotation of each
-K and V vector (QuaRot's online Hadamard,
-`kernels/hadamard.py`): the same bytes, ~27% less KL divergence than the unrotated format
-on held-out text (ops/bench/RESULTS.md, issue 17); the attention kernels undo it. MLA latent
-pages are never rotated.
+one unit (see kernels/fp8.py for why per token per head). With `ROTATE_FP8_KV` (on), FP8 K/V
+pages of a power-of-two head_dim hold the Walsh-Hadamard rotation of each K and V vector
+(QuaRot's online Hadamard, `kernels/hadamard.py`): the same bytes, ~27% less KL divergence
+than the unrotated format on held-out text (ops/bench/RESULTS.md, issue 17); the attention
+kernels undo it. MLA latent pages are never rotated.
 
 MLA models (DeepSeek-V3) cache one latent vector per token and layer (kv_lora_rank normalised
 latent, then the roped qk_rope_head_dim key part) instead of K and V per head: the same layout
@@ -36,12 +35,18 @@ from runtime.errors import InvalidArgument
 from runtime.formats import KVFormat, canonical_name
 from runtime.kv.budget import auto_kv_cache_bytes
 
-# NOTE: off until a known bug is fixed: with rotated pages, a prompt served from a prefix-cache
-# hit gets logits up to 0.38 away from the same prompt prefilled whole
-# (test_prompt_logits_last_row_is_what_generation_samples_from in
-# tests/runtime/test_kv_cache_dtype.py fails with it on); without a prefix hit both agree
-# to 2e-5. The kernels are tested on their own.
-ROTATE_FP8_KV = False
+# NOTE: a prompt served from a prefix-cache hit recomputes only its uncached tail, with GEMMs over
+# fewer rows that round differently (~1e-6); re-quantizing that tail's K/V to e4m3 can then land
+# a whole step away where a value or a row's bf16 scale sits at a rounding midpoint, so its
+# logits differ from a whole prefill's by up to ~0.4 (KL ~2e-3) on a few prompts in 10, rotated
+# or not (measured in tests/runtime/test_kv_cache_dtype.py; the ops agree to 1e-5 given the
+# same inputs, tests/kernels/test_rotated_prefix.py). It is not a rotation bug.
+ROTATE_FP8_KV = True
+
+def fp8_pages_rotated(head_dim: int, latent: bool = False) -> bool:
+    """Whether FP8 pages of this head size hold Hadamard-rotated K and V (never MLA latents)."""
+    return ROTATE_FP8_KV and not latent and kv_rotation_applies(head_dim)
+
 
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.uint8}
@@ -84,8 +89,7 @@ class KVCacheSpec:
     def hadamard(self) -> bool:
         """Whether pages hold Hadamard-rotated K and V (fp8 K/V pages, not MLA latent ones,
         with a power-of-two head_dim)."""
-        return (ROTATE_FP8_KV and self.is_fp8 and not self.latent
-                and kv_rotation_applies(self.head_dim))
+        return self.is_fp8 and fp8_pages_rotated(self.head_dim, self.latent)
 
     @property
     def bytes_per_token(self) -> int:
@@ -103,6 +107,17 @@ class KVCacheSpec:
         return budget_bytes // self.bytes_per_page
 
 
+class KeySmoothing(NamedTuple):
+    """Smoothing of fp8 K/V pages (calibrated by runtime/kv/smoothing.py), per (layer, KV head,
+    channel), float32 [layers, kv_heads, head_dim]: keys are stored as (k - shift) / scale and
+    queries read them as q * scale, so q.k moves by q.shift alone; values are stored as
+    v / v_scale and the attention output read as o * v_scale."""
+
+    shift: torch.Tensor
+    scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
 class LayerKV(NamedTuple):
     """One layer's view of the cache. Scales are None unless the pages are fp8; `hadamard`
     says the pages hold rotated vectors (pass it to the attention and store kernels)."""
@@ -112,6 +127,11 @@ class LayerKV(NamedTuple):
     k_scale: torch.Tensor | None  # [kv_heads, pages, page_size] bf16
     v_scale: torch.Tensor | None
     hadamard: bool = False
+    # [kv_heads, dim] float32 or None: keys are stored as (k - k_shift) / k_channel_scale and
+    # queries multiplied by k_channel_scale (runtime/kv/smoothing.py)
+    k_shift: torch.Tensor | None = None
+    k_channel_scale: torch.Tensor | None = None
+    v_channel_scale: torch.Tensor | None = None
 
 
 class KVCache:
@@ -126,6 +146,9 @@ class KVCache:
             self.v = _zeros(shape, spec.storage_dtype, device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        # fp8 K/V pages: keys stored as (k - shift) / scale, read by q * scale
+        # (runtime/kv/smoothing.py: KeySmoothing, [layers, kv_heads, head_dim]); None: plain.
+        self.key_smoothing: KeySmoothing | None = None
         if spec.is_fp8:
             self.k_scale = _zeros(shape[:-1], torch.bfloat16, device)
             if not spec.latent:
@@ -154,8 +177,10 @@ class KVCache:
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]
 
+        smooth = (None,) * 3 if self.key_smoothing is None else tuple(
+            t[index] for t in self.key_smoothing)
         return LayerKV(self.k[index], pick(self.v), pick(self.k_scale), pick(self.v_scale),
-                       self.spec.hadamard)
+                       self.spec.hadamard, *smooth)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

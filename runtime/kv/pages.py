@@ -41,15 +41,20 @@ class PagePool:
         self.owner_codes = array("q", bytes(8 * num_pages))
         self.owners = [FREE_OWNER] * num_pages
         self._codes: dict[str, int] = {FREE_OWNER: 0}
-        self._free: deque[int] = deque(range(num_pages))
+        # NOTE: the KV tensors' pages are committed by the OS on first write, so a page that
+        # was written before is reused before any never-used one: a worker's resident KV
+        # stays at its peak use instead of walking the whole pool. Among written pages the
+        # oldest freed goes first, keeping a just-freed (page, tag) out of circulation longest.
+        self._free: deque[int] = deque()  # free pages written before, oldest freed first
+        self._unused_from = 0  # pages [_unused_from, num_pages) were never handed out
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_pages - self._unused_from
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free_pages
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -61,12 +66,15 @@ class PagePool:
         return code
 
     def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
+        return num_pages <= self.num_free_pages
 
     def allocate(self, owner: str) -> PageRef:
-        if not self._free:
+        if self._free:
+            page_id = self._free.popleft()
+        elif self._unused_from < self.num_pages:
+            page_id, self._unused_from = self._unused_from, self._unused_from + 1
+        else:
             raise PageAccountingError("allocate() on an empty pool; call can_allocate() first")
-        page_id = self._free.popleft()
         if self.refcounts[page_id] != 0:
             raise PageAccountingError(f"page {page_id} on the free list has holders")
         self.tags[page_id] += 1
@@ -122,7 +130,8 @@ class PagePool:
     def check_quiescent(self) -> None:
         """Raise if any page is still held: call when no request is in flight."""
         held = [p for p in range(self.num_pages) if self.refcounts[p] != 0]
-        if held or len(self._free) != self.num_pages or len(set(self._free)) != self.num_pages:
+        free = [*self._free, *range(self._unused_from, self.num_pages)]
+        if held or len(free) != self.num_pages or len(set(free)) != self.num_pages:
             raise PageAccountingError(
-                f"pool not quiescent: {len(held)} pages held, {len(self._free)} free"
+                f"pool not quiescent: {len(held)} pages held, {len(free)} free"
             )

@@ -26,3 +26,9 @@ class Checkpoint(abc.ABC):
     @abc.abstractmethod
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) pairs, streamed from disk."""
+
+    def release_file_pages(self) -> None:
+        """Drop the pages of the file mapping this checkpoint read its tensors through from
+        the process's resident set, once the model holds its own copies (a later read maps
+        them in again from the file). A no-op for formats that keep no mapping open."""
+        return None

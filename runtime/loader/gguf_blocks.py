@@ -29,9 +29,10 @@ EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def load_gguf_as_stored(model: nn.Module, checkpoint: GGUFCheckpoint,
-                        dtype: torch.dtype) -> int:
+                        dtype: torch.dtype, activations: str = "float32") -> int:
     """Put block modules into `model` (on meta) for every block tensor it can serve, then
-    load the rest with `model.load_weights`. Returns the bytes of the planes kept."""
+    load the rest with `model.load_weights`. `activations` ("auto", "int8", "float32") is
+    what the block linears multiply (`BlockLinear`). Returns the bytes of the planes kept."""
     blocks = dict(checkpoint.block_tensors())
     used: set[str] = set()
     kept = 0
@@ -44,7 +45,7 @@ def load_gguf_as_stored(model: nn.Module, checkpoint: GGUFCheckpoint,
                                                      for p in parts if p}) != 1:
                 continue  # loads dequantized (nn.Linear) like any other tensor
             planes = cat_planes([p for p in parts if p is not None])
-            _replace(model, f"{layer}.{fused}", BlockLinear(planes))
+            _replace(model, f"{layer}.{fused}", BlockLinear(planes, activations=activations))
             used.update(names)
             kept += planes.nbytes()
     tied = model.config.tie_word_embeddings
@@ -53,9 +54,9 @@ def load_gguf_as_stored(model: nn.Module, checkpoint: GGUFCheckpoint,
         used.add(EMBED)
         kept += blocks[EMBED].nbytes()
         if tied:
-            _replace(model, "lm_head", BlockLinear(blocks[EMBED]))
+            _replace(model, "lm_head", BlockLinear(blocks[EMBED], activations=activations))
     if HEAD in blocks and not tied:
-        _replace(model, "lm_head", BlockLinear(blocks[HEAD]))
+        _replace(model, "lm_head", BlockLinear(blocks[HEAD], activations=activations))
         used.add(HEAD)
         kept += blocks[HEAD].nbytes()
     model.load_weights(checkpoint.tensors(skip=frozenset(used)), dtype)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from kernels.norm import add_rms_norm
 from runtime.config import ModelConfig
 from runtime.context import get_forward_context
 from runtime.errors import ModelLoadError
@@ -23,6 +24,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: torch's own kernel: one op instead of six, bit-equal in float32 on CPU.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """x += delta in place (the residual stream; nothing when delta is None), then
+        normalize x: one fused op on CPU (kernels.norm)."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -107,14 +113,19 @@ class PagedAttention(nn.Module):
         ctx = get_forward_context()
         meta = ctx.attn
         kv = ctx.kv_cache.layer(self.layer_index)  # type: ignore[attr-defined]
-        store_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale, kv.hadamard)
+        # Smoothed fp8 pages (runtime/kv/smoothing.py): keys stored as (k - shift) / scale and
+        # read by q * scale, values stored as v / v_scale and the output times v_scale.
+        store_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale, kv.hadamard,
+                 kv.k_shift, kv.k_channel_scale, kv.v_channel_scale)
         parts = []
         for g in meta.decodes:
             parts.append(paged_decode_attention(q[g.start : g.end], kv.k, kv.v, g.page_table,
                                                 g.context_lens, self.scale, kv.k_scale, kv.v_scale,
-                                                kv.hadamard))
+                                                kv.hadamard, kv.k_channel_scale,
+                                                kv.v_channel_scale))
         for p in meta.prefills:
             parts.append(paged_prefill_attention(q[p.start : p.end], kv.k, kv.v, p.page_ids,
                                                  p.context_len, p.mask, self.scale,
-                                                 kv.k_scale, kv.v_scale, kv.hadamard))
+                                                 kv.k_scale, kv.v_scale, kv.hadamard,
+                                                 kv.k_channel_scale, kv.v_channel_scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

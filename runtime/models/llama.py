@@ -70,10 +70,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden], the residual stream, which this layer updates in place."""
-        x.add_(self.self_attn(positions, self.input_layernorm(x)))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                pending: torch.Tensor | None) -> torch.Tensor:
+        """x: [T, hidden], the residual stream, which this layer updates in place; `pending`:
+        the previous layer's output not yet added to it (None for the first layer). Returns
+        this layer's own, for the next layer (or the model) to add: each add is fused with
+        the norm that follows it."""
+        h = self.input_layernorm.add_and_norm(x, pending)
+        h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(positions, h))
+        return self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -88,9 +93,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        pending = None
         for layer in self.layers:
-            x = layer(positions, x)
-        return x
+            pending = layer(positions, x, pending)
+        return x if pending is None else x.add_(pending)
 
 
 class LlamaForCausalLM(nn.Module):

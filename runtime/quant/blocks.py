@@ -28,6 +28,7 @@ from kernels.qgemv import (
     ref_q4_dequantize,
     ref_q8_dequantize,
 )
+from kernels.qgemv_i8 import int8_kernels_available, q4_linear_i8, q8_linear_i8
 from runtime.errors import ModelLoadError
 
 # GGUF type name -> (bytes per 32-weight block, plane kind)
@@ -115,20 +116,39 @@ def cat_planes(parts: list[BlockPlanes]) -> BlockPlanes:
                        torch.cat([p.d for p in parts]), m)
 
 
+ACTIVATIONS = ("auto", "int8", "float32")
+
+
+def resolve_activations(choice: str) -> str:
+    """`int8` or `float32` for a BlockLinear; "auto" is int8 where the CPU has the int8
+    kernels (AVX-512 VNNI), else float32. Raises ValueError for an unknown choice."""
+    if choice not in ACTIVATIONS:
+        raise ValueError(f"block activations must be one of {', '.join(ACTIVATIONS)}, got "
+                         f"{choice!r}")
+    if choice == "auto":
+        return "int8" if int8_kernels_available() else "float32"
+    return choice
+
+
 class BlockLinear(nn.Module):
     """y = x @ W^T (+ bias) with W held as block planes, never as a dense tensor.
 
-    float32 x on CPU: the C++ kernel up to `kernel_max_rows` rows (decode), dequantize into a
-    temporary then an fp32 matmul beyond (prefill, where the matmul is compute-bound and a dense
-    BLAS wins; measured in ops/bench/RESULTS.md). Other dtypes or devices: dequantize and matmul.
+    float32 x on CPU, up to `kernel_max_rows` rows (decode): with `activations="int8"` the
+    int8-activation kernel (`kernels.qgemv_i8`: x rounded to int8 per block of 32, VNNI dot
+    products), with "float32" the float kernel (`kernels.qgemv`: exact up to summation order).
+    Beyond (prefill, compute-bound): dequantize into a temporary, then a dense fp32 matmul
+    (measured in ops/bench/RESULTS.md). Other dtypes or devices: dequantize and matmul.
     Buffers are non-persistent: the planes come from the GGUF file, not from a state dict.
     """
 
-    kernel_max_rows = 32
+    kernel_max_rows = 32  # float32 activations; int8 ones up to `int8_max_rows`
+    int8_max_rows = 64
     weight = None  # no dense weight; a tied assignment (`lm_head.weight = ...`) is a no-op
 
-    def __init__(self, planes: BlockPlanes, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, planes: BlockPlanes, bias: torch.Tensor | None = None,
+                 activations: str = "float32") -> None:
         super().__init__()
+        self.int8 = resolve_activations(activations) == "int8"
         self.kind = planes.kind
         self.in_features, self.out_features = planes.in_features, planes.out_features
         self.register_buffer("qs", planes.qs, persistent=False)
@@ -151,9 +171,15 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if x.dtype != torch.float32 or x.device.type != "cpu" or rows > self.kernel_max_rows:
+        limit = self.int8_max_rows if self.int8 else self.kernel_max_rows
+        if x.dtype != torch.float32 or x.device.type != "cpu" or rows > limit:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
-        if self.kind == "q4":
+        if self.int8:
+            if self.kind == "q4":
+                y = q4_linear_i8(x, self.qs, self.d, self.m)
+            else:
+                y = q8_linear_i8(x, self.qs, self.d)
+        elif self.kind == "q4":
             y = q4_linear(x, self.qs, self.d, self.m, BLOCK)
         else:
             y = q8_linear(x, self.qs, self.d)
@@ -161,7 +187,8 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{self.kind} blocks of {BLOCK} (GGUF, as stored)")
+                f"{self.kind} blocks of {BLOCK} (GGUF, as stored), "
+                f"{'int8' if self.int8 else 'float32'} activations")
 
 
 class BlockEmbedding(nn.Module):

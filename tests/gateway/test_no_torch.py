@@ -16,6 +16,8 @@ GATEWAY_MODULES = ("gateway.serve", "gateway.runner", "gateway.supervisor",
 def test_gateway_and_rest_modules_import_without_torch():
     code = ("import importlib, sys\n"
             f"for m in {GATEWAY_MODULES!r}: importlib.import_module(m)\n"
+            # `tessera serve` builds every subcommand's parser before it serves
+            "importlib.import_module('ops.cli').build_parser()\n"
             "heavy = sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules)\n"
             "print(','.join(heavy))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

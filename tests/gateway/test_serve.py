@@ -22,7 +22,7 @@ SAMPLES = {"model": "/models/x", "dtype": "bfloat16", "kv-cache-bytes": "123456"
            "tenant-page-quota": "0.5", "integrity": "off", "kv-cache-dtype": "fp8",
            "prefill-kv-cache-dtype": "bf16", "prefill-weights": "fp8",
            "decode-weights": "int4", "weight-group-size": "64", "serving-config": "/x.json",
-           "gguf-weights": "dequantize", "worker-threads": "3"}
+           "gguf-weights": "dequantize", "gguf-activations": "int8", "worker-threads": "3"}
 SERVE_EXCLUDES = ("max-num-seqs",)  # serve sizes workers with --max-inflight
 
 

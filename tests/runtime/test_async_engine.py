@@ -298,3 +298,27 @@ def _wait_gone(allm: AsyncLLM, request_id: str) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while request_id in allm.engine.requests and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def test_the_heap_is_trimmed_once_after_the_loop_goes_idle_and_not_while_idle(engine,
+                                                                             monkeypatch):
+    # glibc keeps what a step freed; the loop hands it back to the OS once a whole wait
+    # passes with no work (never between back-to-back requests), and only once per busy spell.
+    trims: list[float] = []
+    monkeypatch.setattr("runtime.async_engine.release_free_heap",
+                        lambda: trims.append(time.monotonic()) or True)
+    front = AsyncLLM(engine)
+    try:
+        time.sleep(1.2)
+        assert trims == []  # idle from the start: nothing was freed
+        outs = run(lambda: collect(front, "Water boils at", SamplingParams(max_tokens=3)))
+        finished = time.monotonic()
+        assert outs[-1].finished
+        deadline = finished + 5.0
+        while not trims and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(trims) == 1 and trims[0] - finished >= 0.25  # after a wait, not at once
+        time.sleep(1.2)
+        assert len(trims) == 1
+    finally:
+        front.shutdown()

@@ -8,12 +8,19 @@ import pytest
 import torch
 
 from kernels import store_kv
+from kernels.hadamard import fwht
 from runtime.disagg import frames as wire
-from runtime.disagg.codec import gather_payload, token_bytes_per_layer, write_payload
+from runtime.disagg.codec import (
+    gather_payload,
+    smoothing_bytes_per_layer,
+    token_bytes_per_layer,
+    write_payload,
+)
 from runtime.disagg.export import _chunks
 from runtime.formats import KVFormat
 from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PageAccountingError, PagePool
+from runtime.kv.smoothing import KeySmoothing
 
 
 def _frame() -> wire.Frame:
@@ -101,12 +108,14 @@ def _fill(cache: KVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     vs = torch.randn(3, n, 2, 8)
     for layer in range(3):
         kv = cache.layer(layer)
-        store_kv(ks[layer], vs[layer], kv.k, kv.v, slots, kv.k_scale, kv.v_scale)
+        store_kv(ks[layer], vs[layer], kv.k, kv.v, slots, kv.k_scale, kv.v_scale, kv.hadamard,
+                 kv.k_shift, kv.k_channel_scale, kv.v_channel_scale)
     return ks, vs
 
 
 @pytest.mark.parametrize(("src", "dst"), [("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "fp8"),
-                                          ("fp32", "fp8"), ("bf16", "fp8"), ("fp32", "bf16")])
+                                          ("fp32", "fp8"), ("bf16", "fp8"), ("fp32", "bf16"),
+                                          ("fp8", "fp32"), ("fp8", "bf16")])
 def test_import_equals_the_decode_side_writing_the_same_values_itself(src, dst):
     src_slots = torch.tensor([5, 6, 7, 8, 9, 12, 13])  # odd count, across pages
     dst_slots = torch.tensor([20, 21, 22, 23, 0, 1, 2])
@@ -115,7 +124,8 @@ def test_import_equals_the_decode_side_writing_the_same_values_itself(src, dst):
         c.k.fill_(0x7F if c.spec.is_fp8 else float("nan"))
     _fill(sender, src_slots)
     payload = gather_payload(sender, (0, 3), src_slots)
-    assert len(payload) == 3 * 7 * token_bytes_per_layer(src, 2, 8)
+    assert len(payload) == 3 * (7 * token_bytes_per_layer(src, 2, 8)
+                                + smoothing_bytes_per_layer(src, 2, 8))
     write_payload(receiver, payload, src, (0, 3), dst_slots)
     # The reference: the values as the sender holds them, written by the receiver's own op.
     for layer in range(3):
@@ -127,6 +137,8 @@ def test_import_equals_the_decode_side_writing_the_same_values_itself(src, dst):
 
             k = dequantize_fp8_kv(k, s.k_scale.view(2, -1)[:, src_slots])
             v = dequantize_fp8_kv(v, s.v_scale.view(2, -1)[:, src_slots])
+            if s.hadamard:  # rotated pages: the values they stand for
+                k, v = fwht(k), fwht(v)
         if src == dst:  # same format: byte copies
             for a, b in ((r.k, s.k), (r.v, s.v), (r.k_scale, s.k_scale), (r.v_scale, s.v_scale)):
                 if a is not None:
@@ -135,11 +147,56 @@ def test_import_equals_the_decode_side_writing_the_same_values_itself(src, dst):
                     flat_a[:, dst_slots] = flat_b[:, src_slots]
         else:
             store_kv(k.float().transpose(0, 1).contiguous(), v.float().transpose(0, 1).contiguous(),
-                     r.k, r.v, dst_slots, r.k_scale, r.v_scale)
+                     r.k, r.v, dst_slots, r.k_scale, r.v_scale, r.hadamard)
     for a, b in ((receiver.k, reference.k), (receiver.v, reference.v),
                  (receiver.k_scale, reference.k_scale), (receiver.v_scale, reference.v_scale)):
         if a is not None:
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _smoothed(cache: KVCache, seed: int) -> KVCache:
+    if cache.spec.is_fp8:
+        gen = torch.Generator().manual_seed(seed)
+        cache.key_smoothing = KeySmoothing(torch.randn(3, 2, 8, generator=gen) * 4,
+                                           torch.rand(3, 2, 8, generator=gen) + 0.5,
+                                           torch.rand(3, 2, 8, generator=gen) + 0.5)
+    return cache
+
+
+@pytest.mark.parametrize(("src", "dst"), [("fp8", "fp32"), ("fp32", "fp8"), ("fp8", "fp8")])
+@pytest.mark.parametrize("smoothing", ["none", "same", "different"])
+def test_imported_kv_reads_back_as_the_values_the_sender_wrote(src, dst, smoothing):
+    """Through rotated (and smoothed) FP8 pages on either side: what the receiver's attention
+    would read (pages decoded, rotated back, smoothing undone) is the sender's K/V within e4m3
+    rounding, never a rotated or shifted copy."""
+    src_slots, dst_slots = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([12, 13, 14, 15, 0])
+    sender, receiver = _cache(src), _cache(dst)
+    if smoothing != "none":
+        _smoothed(sender, 0)
+        _smoothed(receiver, 0 if smoothing == "same" else 1)
+    assert sender.spec.hadamard or receiver.spec.hadamard  # rotation is on for fp8 pages
+    ks, vs = _fill(sender, src_slots)
+    write_payload(receiver, gather_payload(sender, (0, 3), src_slots), src, (0, 3), dst_slots)
+    for layer in range(3):
+        kv = receiver.layer(layer)
+        for want, pages, scale in ((ks[layer], kv.k, kv.k_scale), (vs[layer], kv.v, kv.v_scale)):
+            got = pages.view(2, -1, 8)[:, dst_slots]
+            if scale is not None:
+                from kernels import dequantize_fp8_kv
+
+                got = dequantize_fp8_kv(got, scale.view(2, -1)[:, dst_slots])
+                got = fwht(got) if kv.hadamard else got
+                if kv.k_shift is not None:  # undo the receiver's own smoothing
+                    if pages is kv.k:
+                        got = got * kv.k_channel_scale[:, None] + kv.k_shift[:, None]
+                    else:
+                        got = got * kv.v_channel_scale[:, None]
+            # what e4m3 rounded: the row, or the row minus a shift (either side's)
+            size = want.norm(dim=-1) + sum(c.key_smoothing.shift[layer].norm(dim=-1)
+                                           for c in (sender, receiver)
+                                           if c.key_smoothing is not None and pages is kv.k)
+            err = (got.transpose(0, 1) - want).norm(dim=-1) / size
+            assert float(err.max()) < 0.1  # e4m3 (3 mantissa bits); a rotated copy: ~1
 
 
 def test_import_refuses_a_payload_of_the_wrong_size():

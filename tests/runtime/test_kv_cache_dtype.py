@@ -3,6 +3,7 @@ batch independence, and the planner's numbers for the pool it allocated."""
 
 from __future__ import annotations
 
+import importlib
 import pydoc_data.topics
 
 import pytest
@@ -59,10 +60,54 @@ def test_prompt_logits_last_row_is_what_generation_samples_from(fp8_llm, text_id
     ids = text_ids[:50]
     scored = fp8_llm.prompt_logits(ids)
     captured = capture_logits(fp8_llm.engine, monkeypatch)
-    fp8_llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+    # Another tenant: no prefix hit, so generation prefills the same 50 rows scoring did (a
+    # prefix hit recomputes only the tail: test_fp8_prefix_hit_* below).
+    (out,) = fp8_llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0),
+                              tenant="no-hit")
+    assert out.num_cached_tokens == 0
     (rows,) = captured.values()
     torch.testing.assert_close(scored[-1], rows[0], atol=1e-4, rtol=1e-4)
     assert scored.shape == (50, fp8_llm.engine.model_config.vocab_size)
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = torch.log_softmax(ref, dim=-1), torch.log_softmax(got, dim=-1)
+    return float((ref.exp() * (ref - got)).sum(-1))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("path", ["cpp", "twin"])
+@pytest.mark.parametrize("remaining", [2, 1])
+def test_fp8_prefix_hit_samples_what_a_whole_prefill_scores(fp8_llm, monkeypatch, path,
+                                                           remaining):
+    """Rotated FP8 pages (the default) written by one request's whole prefill, read by the next
+    through a prefix hit of three pages; the tail (2 tokens: a masked prefill chunk; 1 token:
+    the decode op) is recomputed, by the C++ ops or their torch twins. Its K/V come from GEMMs
+    over fewer rows (~1e-6 apart) and re-quantize to e4m3 a step away now and then
+    (tests/kernels/test_rotated_prefix.py): close in distribution, not to 1e-4. A page read
+    unrotated, or rotated twice, gives KL > 1."""
+    assert fp8_llm.engine.kv_cache.spec.hadamard
+    if path == "twin":
+        for name in ("kernels.paged_attention", "kernels.store_kv", "kernels.kv_fp8"):
+            # NOTE: import_module: `kernels.store_kv` the attribute is the function
+            monkeypatch.setattr(importlib.import_module(name), "native", lambda: None)
+    # "assert" at 50 tokens: the prompt whose tail re-rounds at layer 6 (KL 1.7e-3)
+    topic = "assert" if remaining == 2 else "raise"
+    tenant = f"hit-{path}-{remaining}"
+    ids = fp8_llm.tokenizer.encode(pydoc_data.topics.topics[topic])[: 48 + remaining]
+    scored = fp8_llm.prompt_logits(ids, tenant=tenant)  # whole prefill; leaves 3 cached pages
+    captured = capture_logits(fp8_llm.engine, monkeypatch)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    (hit,) = fp8_llm.generate([ids], params, tenant=tenant)
+    assert hit.num_cached_tokens == 48
+    (whole,) = fp8_llm.generate([ids], params, tenant=tenant + "-cold")
+    assert whole.num_cached_tokens == 0
+    (hit_row, *_), (whole_row, *_) = captured.values()  # in request order
+    torch.testing.assert_close(whole_row, scored[-1], atol=1e-4, rtol=1e-4)
+    assert _kl(scored[-1], hit_row) < 5e-3
+    # its top token is the scored row's first or second (at 50 tokens the top two are 0.01 apart)
+    assert scored[-1][hit_row.argmax()] >= scored[-1].topk(2).values[-1]
+    fp8_llm.engine.check_quiescent()
 
 
 @pytest.mark.usefixtures("one_torch_thread")

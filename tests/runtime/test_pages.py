@@ -189,12 +189,19 @@ def test_share_with_a_stale_tag_raises():
     assert pool.refcounts[new.page_id] == 1
 
 
-def test_a_released_page_goes_to_the_back_of_the_free_list():
-    # NOTE: reusing freed pages last keeps a just-freed (page, tag) out of circulation longest.
-    pool = PagePool(num_pages=3, page_size=2)
-    first = pool.allocate("a")
+def test_freed_pages_are_reused_oldest_first_and_before_never_used_ones():
+    # NOTE: never-used pages are not resident yet (the OS commits KV memory on first write);
+    # among used ones the oldest freed goes first, keeping a just-freed (page, tag) out longest.
+    pool = PagePool(num_pages=5, page_size=2)
+    first, second, third = (pool.allocate("a") for _ in range(3))
+    pool.release(second)
     pool.release(first)
-    assert [pool.allocate("a").page_id for _ in range(3)] == [1, 2, first.page_id]
+    assert pool.num_free_pages == 4
+    assert [pool.allocate("a").page_id for _ in range(4)] == [second.page_id, first.page_id, 3, 4]
+    assert pool.num_free_pages == 0 and not pool.can_allocate(1)
+    with pytest.raises(PageAccountingError):
+        pool.allocate("a")
+    assert third.page_id == 2
 
 
 def test_check_quiescent_passes_when_every_page_is_back():

@@ -1,0 +1,91 @@
+"""Block linear layers with int8 activations (`kernels/cpu/qgemv_i8.cpp`) and their twins.
+
+x is quantized per row and per block of 32 to int8 with one float32 scale, as llama.cpp's
+Q8_1 does: dx = amax / 127, xq = round-half-even(x * (127 / amax)) (all zero for an all-zero
+block). Then, for Q4 planes (GGUF Q4_0/Q4_1: group 32, float16 d and m, layout in
+`kernels.qgemv`), y = sum_b d_b dx_b dot(q_b, xq_b) + m_b dx_b sum(xq_b); for Q8 planes,
+y = sum_b d_b dx_b dot(w_b, xq_b). The integer dots are exact, so the kernel and the twins
+differ only in the order of the float32 sums; against the float32-activation kernel the
+difference is x's rounding to int8 (measured in ops/bench/RESULTS.md, issue 16).
+The C++ ops exist only where the CPU has AVX-512 VNNI (`int8_kernels_available`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.cpu_ops import native
+from kernels.qgemv import BLOCK, unpack_q4_blocks
+
+
+@functools.cache
+def int8_kernels_available() -> bool:
+    """Whether the int8-activation C++ ops are built (x86-64 with AVX-512 VNNI)."""
+    return native() is not None and bool(torch.ops.tessera_quant.int8_kernels())
+
+
+def ref_quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float32 [M, K] (K a multiple of 32) -> (xq int8 [M, K], dx float32 [M, K/32]),
+    rounded exactly as the C++ op rounds (float32 127 / amax, product, half to even)."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    xq = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return xq.reshape(m, k), amax / 127.0
+
+
+def _block_dots(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xq [M, K], w [N, K] integer-valued -> exact per-block dots float64 [M, N, K/32]."""
+    m, k = xq.shape
+    xb = xq.double().reshape(m, k // BLOCK, BLOCK)
+    wb = w.double().reshape(w.shape[0], k // BLOCK, BLOCK)
+    return torch.einsum("mbj,nbj->mnb", xb, wb)
+
+
+def ref_q4_linear_i8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
+                     m: torch.Tensor) -> torch.Tensor:
+    """Twin of the Q4 op: x float32 [M, K] -> float32 [M, N], sums in float64."""
+    xq, dx = ref_quantize_rows_q8(x)
+    dots = _block_dots(xq, unpack_q4_blocks(qs))
+    sums = xq.double().reshape(xq.shape[0], -1, BLOCK).sum(-1)  # [M, K/32]
+    dxd = dx.double().unsqueeze(1)
+    y = (dots * d.double().unsqueeze(0) * dxd).sum(-1)
+    y += ((sums * dx.double()).unsqueeze(1) * m.double().unsqueeze(0)).sum(-1)
+    return y.float()
+
+
+def ref_q8_linear_i8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Twin of the Q8 op: x float32 [M, K] -> float32 [M, N], sums in float64."""
+    xq, dx = ref_quantize_rows_q8(x)
+    dots = _block_dots(xq, qs)
+    return (dots * d.double().unsqueeze(0) * dx.double().unsqueeze(1)).sum(-1).float()
+
+
+def q4_linear_i8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [..., K] -> [..., N] over Q4 planes (group 32, float16 d and m), int8
+    activations; the C++ op where built, else the twin. `out` (float32 [rows, N],
+    contiguous) is written in full when given. Raises RuntimeError on shapes or dtypes the
+    layout forbids."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if x.device.type != "cpu" or not int8_kernels_available():
+        y = ref_q4_linear_i8(x2, qs, d, m)
+        return (y if out is None else out.copy_(y)).view(*x.shape[:-1], qs.shape[0])
+    y = torch.empty(x2.shape[0], qs.shape[0]) if out is None else out
+    torch.ops.tessera_quant.q4_linear_i8_out(x2, qs, d, m, y)
+    return y.view(*x.shape[:-1], qs.shape[0])
+
+
+def q8_linear_i8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [..., K] -> [..., N] over Q8 planes, int8 activations; as `q4_linear_i8`."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if x.device.type != "cpu" or not int8_kernels_available():
+        y = ref_q8_linear_i8(x2, qs, d)
+        return (y if out is None else out.copy_(y)).view(*x.shape[:-1], qs.shape[0])
+    y = torch.empty(x2.shape[0], qs.shape[0]) if out is None else out
+    torch.ops.tessera_quant.q8_linear_i8_out(x2, qs, d, y)
+    return y.view(*x.shape[:-1], qs.shape[0])
