@@ -21,6 +21,7 @@ from gateway.rest.status import GatewayView
 from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
 from runtime.engine_flags import add_engine_flags, engine_argv
+from runtime.threads import share_of_cores
 
 log = get_logger("tessera.serve")
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -102,9 +103,13 @@ def pool_configs(base: PoolConfig, args: argparse.Namespace) -> list[PoolConfig]
         raise SystemExit("--prefill-workers must be >= 0 and --decode-workers >= 1")
     if args.prefill_workers == 0:
         return [base]
+    # Both pools share this host's cores: split them over every worker of both, or each pool
+    # would take them all for itself and the two would oversubscribe.
+    threads = base.worker_threads or share_of_cores(args.prefill_workers + args.decode_workers)
     return [dataclasses.replace(base, role=role, min_workers=n, max_workers=n,
                                 worker_args=base.worker_args + tuple(shlex.split(extra)),
-                                transfer_timeout_s=args.transfer_timeout_s)
+                                transfer_timeout_s=args.transfer_timeout_s,
+                                worker_threads=threads)
             for role, n, extra in (("decode", args.decode_workers, args.decode_pool_args),
                                    ("prefill", args.prefill_workers, args.prefill_pool_args))]
 

@@ -78,6 +78,18 @@ def test_serve_gives_each_worker_its_threads_and_kv_budget() -> None:
     assert worker.kv_cache_bytes is None  # the worker sizes its pool from free memory
 
 
+def test_prefill_and_decode_pools_split_the_cores_between_them() -> None:
+    from gateway.serve import pool_configs
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--prefill-workers", "1", "--decode-workers", "1"])
+    pools = pool_configs(pool_config(args), args)
+    assert [(p.role, p.worker_threads) for p in pools] == [
+        ("decode", share_of_cores(2)), ("prefill", share_of_cores(2))]
+    args = parser.parse_args(["serve", "--prefill-workers", "1", "--worker-threads", "3"])
+    assert {p.worker_threads for p in pool_configs(pool_config(args), args)} == {3}
+
+
 def test_serve_defaults_bind_loopback_on_50051() -> None:
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.grpc_port, args.http_port, args.api_keys) == (
