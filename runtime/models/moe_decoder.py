@@ -8,6 +8,7 @@ name table; names mirror Hugging Face's.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Iterable
 
@@ -89,7 +90,7 @@ class MoEModel(nn.Module):
         return x
 
 
-class MoECausalLM(nn.Module):
+class MoECausalLM(nn.Module, abc.ABC):
     """A family's model: `build_attention`, `build_mlp` and `CHECKPOINT_RULES` are its own."""
 
     CHECKPOINT_RULES: tuple[Rule, ...] = ()
@@ -109,11 +110,13 @@ class MoECausalLM(nn.Module):
     def rotary_dim(self) -> int:
         return self.config.head_dim
 
+    @abc.abstractmethod
     def build_attention(self, layer_index: int, rotary: RotaryEmbedding) -> nn.Module:
-        raise NotImplementedError
+        """Layer `layer_index`'s attention (GQA, or DeepSeek's latent attention)."""
 
+    @abc.abstractmethod
     def build_mlp(self, layer_index: int) -> SparseMoeBlock | SwiGLU:
-        raise NotImplementedError
+        """Layer `layer_index`'s MLP: the family's routed experts, or a dense SwiGLU."""
 
     def hf_int(self, *names: str, default: int | None = None) -> int:
         """The first of `names` config.json sets, as an int (families renamed fields)."""

@@ -184,7 +184,9 @@ def test_a_waiter_that_gives_up_passes_its_turn_at_once() -> None:
         await pool.release(held, "x")
         alpha.cancel()
         # NOTE: well under the 1 s a waiter sleeps between checks when nobody wakes it.
-        await asyncio.wait_for(beta, 0.3)
+        lease = await asyncio.wait_for(beta, 0.3)
+        assert lease is not None and alpha.cancelled()
+        await pool.release(lease, "beta")
 
     asyncio.run(scenario())
 

@@ -103,7 +103,7 @@ def test_prometheus_config_passes_promtool_check():
 
 @needs_promtool
 def test_alert_unit_tests_pass():
-    promtool("test", "rules", "alerts_test.yml")
+    assert "SUCCESS" in promtool("test", "rules", "alerts_test.yml")
 
 
 def test_every_alert_fires_in_a_unit_test_and_none_fires_on_healthy_series():
@@ -183,8 +183,11 @@ def containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
 def test_every_manifest_validates_against_the_kubernetes_schemas(name):
     import kubernetes_validate
 
-    kubernetes_validate.validate(DOCUMENTS[name], kubernetes_validate.latest_version(),
-                                 strict=True)
+    version = kubernetes_validate.latest_version()
+    kubernetes_validate.validate(DOCUMENTS[name], version, strict=True)  # raises when invalid
+    broken = {**DOCUMENTS[name], "noSuchField": 1}  # strict: unknown fields are errors
+    with pytest.raises(kubernetes_validate.ValidationError):  # so it does reject
+        kubernetes_validate.validate(broken, version, strict=True)
 
 
 def test_every_gateway_pod_runs_tessera_serve_with_flags_it_accepts():

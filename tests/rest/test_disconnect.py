@@ -59,6 +59,7 @@ def test_client_gone_mid_decode_frees_the_request_at_once(shim, path) -> None:
 
     freed_s = leave_when(shim, sock, decoding_for_a_second)
     print(f"{path}: freed {freed_s:.2f} s after the client left mid-decode")
+    assert freed_s < FREED_WITHIN_S and shim.num_running() == 0
     next_request_is_served(shim)
 
 
@@ -68,6 +69,7 @@ def test_client_gone_during_prefill_frees_the_request_at_once(shim) -> None:
                                                   "max_tokens": 64})
     freed_s = leave_when(shim, sock, lambda: shim.num_running() == 1)
     print(f"freed {freed_s:.2f} s after the client left as its prompt was admitted")
+    assert freed_s < FREED_WITHIN_S and shim.num_running() == 0
     next_request_is_served(shim)
 
 
