@@ -226,9 +226,11 @@ def test_a_full_decode_pool_queues_imports_until_pages_free(runner) -> None:
     with Client(runner.target, api_key=KEYS["acme"], retry=NO_RETRY) as c, \
             pytest.raises(DeadlineExceeded):
         list(c.generate(LONG + " and again", model=PD, max_tokens=4, timeout_s=2, **GREEDY))
+    # NOTE: the client's deadline fires before the worker's Status shows the waiter gone.
+    wait_for(lambda: _statuses(runner)["decode"].imported.waiting == 1, 10,
+             "the short-deadline import to leave the queue")
     s = _statuses(runner)
     assert s["prefill"].exported.pending == 1 and s["prefill"].num_waiting == 0
-    assert s["decode"].imported.waiting == 1  # the short-deadline one left the queue
     stalled.thread.join(TRANSFER_TIMEOUT_S + 60)
     assert isinstance(stalled.error, DeadlineExceeded), stalled.error
     assert time.monotonic() - started >= TRANSFER_TIMEOUT_S * 0.9
