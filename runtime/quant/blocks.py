@@ -133,15 +133,17 @@ def resolve_activations(choice: str) -> str:
 class BlockLinear(nn.Module):
     """y = x @ W^T (+ bias) with W held as block planes, never as a dense tensor.
 
-    float32 x on CPU, up to `kernel_max_rows` rows (decode): with `activations="int8"` the
-    int8-activation kernel (`kernels.qgemv_i8`: x rounded to int8 per block of 32, VNNI dot
-    products), with "float32" the float kernel (`kernels.qgemv`: exact up to summation order).
-    Beyond (prefill, compute-bound): dequantize into a temporary, then a dense fp32 matmul
-    (measured in ops/bench/RESULTS.md). Other dtypes or devices: dequantize and matmul.
+    float32 x on CPU: up to `kernel_max_rows` rows (decode) the float kernel
+    (`kernels.qgemv`: blocks decoded in registers, exact up to summation order), or with
+    `activations="int8"` up to `int8_max_rows` rows the int8-activation kernel
+    (`kernels.qgemv_i8`: x rounded to int8 per block of 32, VNNI dot products). Past that
+    (prefill, mixed steps, large batches) the same float op dequantizes tiles of W into a
+    cache-resident buffer and multiplies them by BLAS, never the whole matrix at once (see
+    ops/bench/RESULTS.md). Other dtypes or devices: dequantize and matmul.
     Buffers are non-persistent: the planes come from the GGUF file, not from a state dict.
     """
 
-    kernel_max_rows = 32  # float32 activations; int8 ones up to `int8_max_rows`
+    kernel_max_rows = 32  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
     int8_max_rows = 64
     weight = None  # no dense weight; a tied assignment (`lm_head.weight = ...`) is a no-op
 
@@ -170,11 +172,9 @@ class BlockLinear(nn.Module):
         return q8_dequantize(self.qs, self.d).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        limit = self.int8_max_rows if self.int8 else self.kernel_max_rows
-        if x.dtype != torch.float32 or x.device.type != "cpu" or rows > limit:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, self.dequantize(x.dtype), self.bias)
-        if self.int8:
+        if self.int8 and x.numel() // self.in_features <= self.int8_max_rows:
             if self.kind == "q4":
                 y = q4_linear_i8(x, self.qs, self.d, self.m)
             else:
