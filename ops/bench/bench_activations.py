@@ -1,8 +1,11 @@
-"""Decode step time with int8 vs float32 activations for GGUF blocks served as stored: one
-engine, the same sequences, the BlockLinear layers switched between the two kernels round by
-round (so both see the same contexts and the same background load).
+"""Decode step time with float32, int8 and bf16 activations for GGUF blocks served as stored:
+one engine, the same sequences, the BlockLinear layers switched between the kinds round by round
+(so all see the same contexts and the same background load). With `--mixed`, each timed step
+also admits a new ~110-token prompt, so it runs that prompt's prefill beside the decodes (what
+a serving step does whenever a request arrives).
 
     python3 -m ops.bench.bench_activations --concurrency 1 8 32 --steps 8 --rounds 3
+    python3 -m ops.bench.bench_activations --concurrency 32 --steps 4 --rounds 3 --mixed
 """
 
 from __future__ import annotations
@@ -17,6 +20,13 @@ from ops.bench.bench_step import PROMPT, _engine
 from runtime.quant.blocks import BlockLinear
 from runtime.sampling_params import SamplingParams
 
+KINDS = ("float32", "int8", "bf16")
+
+
+def _switch(blocks: list[BlockLinear], kind: str) -> None:
+    for m in blocks:
+        m.activations, m.int8, m.bf16 = kind, kind == "int8", kind == "bf16"
+
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
@@ -25,8 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per round and kind")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--mixed", action="store_true", help="a prefill arrives every timed step")
     args = p.parse_args(argv)
-    engine = _engine(args.threads, 256 << 20, max(args.concurrency),
+    engine = _engine(args.threads, 256 << 20, max(args.concurrency) + 2,
                      {"gguf_activations": "int8"})
     engine.warm_up()
     blocks = [m for m in engine.decode_model.modules() if isinstance(m, BlockLinear)]
@@ -34,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| concurrency | activations | wall ms/step median | CPU ms/step median | tok/s (wall) |")
     print("|---|---|---|---|---|")
     for c in args.concurrency:
-        need = args.rounds * args.steps * 2 + 8
+        need = args.rounds * args.steps * len(args.kinds) + 8
         params = SamplingParams(max_tokens=need, temperature=0.0, ignore_eos=True)
         ids = [f"a{c}-{i}" for i in range(c)]
         for i, rid in enumerate(ids):
@@ -44,13 +56,17 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(3):
             engine.step()
         times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []}
-                                                   for k in ("int8", "float32")}
+                                                   for k in args.kinds}
+        arrivals = 0
         for _ in range(args.rounds):
-            for kind in ("float32", "int8"):
-                for m in blocks:
-                    m.int8 = kind == "int8"
+            for kind in args.kinds:
+                _switch(blocks, kind)
                 engine.step()  # first step after the switch: not timed
                 for _ in range(args.steps):
+                    if args.mixed:
+                        arrivals += 1
+                        engine.add_request(f"p{c}-{arrivals}", f"{arrivals} " + PROMPT * 4,
+                                           SamplingParams(max_tokens=1, temperature=0.0))
                     t0, c0 = time.perf_counter(), time.process_time()
                     engine.step()
                     times[kind]["cpu"].append(1e3 * (time.process_time() - c0))
