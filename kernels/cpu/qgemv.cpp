@@ -356,6 +356,26 @@ inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
+// Row n of W rounded to bf16 into dst[K]: the same bits as dequantize_row then to_bf16.
+template <typename W>
+inline void dequantize_row_bf16(const W& w, int64_t n, float* scratch, uint16_t* dst) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  (void)scratch;
+  const int64_t nb = w.K / kBlock;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t g = b / w.blocks_per_group;
+    const __m512 v = W::kQ8 ? _mm512_set1_ps(w.scale(n, g))
+                            : group_lut(w, w.scale(n, g), w.offset(n, g));
+    __m512 w0, w1;
+    dequant_block(w, n, b, v, w0, w1);
+    _mm512_storeu_si512(dst + b * kBlock, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+  }
+#else
+  dequantize_row(w, n, scratch);
+  to_bf16(scratch, dst, w.K);
+#endif
+}
+
 // y = bf16(x) @ bf16(W)^T with float32 sums: tiles of W dequantized and rounded to bf16 into a
 // thread's buffer, multiplied by MKL's bf16 GEMM (AMX here: ~4x its float32 GEMM).
 template <typename W>
@@ -374,10 +394,8 @@ void gemm_bf16(const W& w, const float* x, int64_t M, int64_t N, float* y) {
     row.resize(K);
     for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
       const int64_t rows = std::min(end, n0 + tile_rows) - n0;
-      for (int64_t r = 0; r < rows; ++r) {
-        dequantize_row(w, n0 + r, row.data());
-        to_bf16(row.data(), tile.data() + r * K, K);
-      }
+      for (int64_t r = 0; r < rows; ++r)
+        dequantize_row_bf16(w, n0 + r, row.data(), tile.data() + r * K);
       cblas_gemm_bf16bf16f32(101, 111, 112, static_cast<int>(M), static_cast<int>(rows),
                              static_cast<int>(K), 1.0f, xb.data(), static_cast<int>(K),
                              tile.data(), static_cast<int>(K), 0.0f, y + n0,
