@@ -56,8 +56,11 @@ class WorkerHandle:
         """Start the process and return once its Health RPC says it serves."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
+        # NOTE: a session of its own, so a terminal's Ctrl-C (sent to the whole foreground
+        # group) reaches only the gateway, which drains and then stops its workers; the worker
+        # still exits with its parent (gateway/worker.py: _exit_with_parent).
         self.process = await asyncio.create_subprocess_exec(
-            *command, env=env, stdin=asyncio.subprocess.DEVNULL)
+            *command, env=env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
         self.channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}")
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         deadline = self.started_at + timeout_s

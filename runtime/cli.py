@@ -28,7 +28,8 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
 
     llm = LLM.from_config(args.model, engine_config(args))
     f = llm.serving_formats
-    print(f"[{llm.kv_capacity_tokens} tokens of {f.kv.name} KV in {args.kv_cache_bytes} bytes; "
+    kv_mib = llm.engine.kv_cache_budget_bytes / 2**20
+    print(f"[{llm.kv_capacity_tokens} tokens of {f.kv.name} KV in {kv_mib:.0f} MiB; "
           f"prefill weights {f.prefill.weights.label}, decode weights "
           f"{f.decode.weights.label}]", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -61,7 +62,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             line = input("you> ").strip()
         except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
+            print()  # ends the prompt's line, where input() wrote it
             break
         if not line:
             break

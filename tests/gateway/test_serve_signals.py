@@ -49,7 +49,7 @@ def _marked_processes(mark: str) -> list[int]:
 
 
 class Served:
-    def __init__(self, tmp: Path, grace_s: float) -> None:
+    def __init__(self, tmp: Path, grace_s: float, terminal_group: bool = False) -> None:
         self.mark = uuid.uuid4().hex
         self.tmp = tmp
         self.grpc_port, self.http_port = _free_port(), _free_port()
@@ -60,7 +60,8 @@ class Served:
             [sys.executable, "-m", "ops.cli", "serve", "--grpc-port", str(self.grpc_port),
              "--http-port", str(self.http_port), "--api-keys", str(keys),
              "--kv-cache-bytes", str(64 << 20), "--shutdown-grace-s", str(grace_s)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            start_new_session=terminal_group)  # its own group, as a shell's foreground job
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -94,8 +95,8 @@ class Served:
 def served(tmp_path: Path) -> Iterator[Served]:
     started: list[Served] = []
 
-    def start(grace_s: float = 2.0) -> Served:
-        started.append(Served(tmp_path, grace_s))
+    def start(grace_s: float = 2.0, terminal_group: bool = False) -> Served:
+        started.append(Served(tmp_path, grace_s, terminal_group))
         return started[-1]
 
     yield start  # type: ignore[misc]
@@ -173,4 +174,29 @@ def test_ctrl_c_before_the_workers_are_ready_leaves_nothing_behind(served) -> No
     s.wait_for_line("starting workers", timeout_s=60)
     s.proc.send_signal(signal.SIGINT)
     assert s.proc.wait(60) == 0
+    s.wait_clean()
+
+
+def test_ctrl_c_at_a_terminal_drains_like_sigterm(served) -> None:
+    # A terminal's Ctrl-C signals the whole foreground process group, workers included: they
+    # must leave stopping to the gateway, which drains, instead of dying under their requests.
+    s = served(grace_s=8.0, terminal_group=True)  # longer than a worker's own 5 s stop grace
+    s.wait_for_line("call it:")
+    result: dict[str, str] = {}
+
+    def grpc_stream() -> None:
+        with Client(f"127.0.0.1:{s.grpc_port}", api_key=KEY, retry=NO_RETRY) as c:
+            try:
+                list(c.generate("Count to a thousand:", **LONG))
+                result["grpc"] = "completed"
+            except TesseraError as e:
+                result["grpc"] = e.reason
+
+    t = threading.Thread(target=grpc_stream)
+    t.start()
+    time.sleep(3)  # decoding
+    os.killpg(s.proc.pid, signal.SIGINT)
+    t.join(60)
+    assert s.proc.wait(60) == 0
+    assert result["grpc"] == "UNAVAILABLE"  # the grace period ran out; the worker did not die
     s.wait_clean()

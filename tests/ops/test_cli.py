@@ -6,6 +6,7 @@ Each model-loading run costs a model load (~15 s), so there are only two of them
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,13 @@ def test_chat_answers_a_line_from_stdin_and_quits_on_an_empty_line():
     assert len(replies) == 1, proc.stdout
     assert replies[0].split("bot> ", 1)[1].strip()  # a non-empty answer
     assert proc.stdout.count("you> ") == 2  # asked once more, then the empty line ended it
+
+
+def test_chat_at_end_of_input_ends_its_prompt_line_and_reports_the_kv_budget():
+    proc = tessera("chat", "--max-tokens", "8", stdin="Hi\n")  # no empty line: stdin ends
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("you> \n"), proc.stdout[-40:]
+    assert re.search(r"KV in \d+ MiB", proc.stderr), proc.stderr  # the auto-sized budget
 
 
 def test_unknown_model_path_exits_non_zero_with_model_not_found(tmp_path):
