@@ -1,9 +1,12 @@
 """Weight-kernel microbenchmark: the q4/q8 block kernels (kernels/cpu/qgemv.cpp) against an fp32
 dense matmul and torch's int4pack kernel, on the default model's matrix shapes, at 1, 8 and 32
-rows, one thread. Every method of one (shape, rows) is timed in the same interleaved rounds,
-so a busy neighbour slows them alike; medians of wall and thread-CPU microseconds.
+rows (`--rows` for others: past 32 the float op multiplies dequantized tiles by BLAS; the bf16
+op is timed past 16), one thread. Every method of one (shape, rows) is timed in the same
+interleaved rounds, so a busy neighbour slows them alike; medians of wall and thread-CPU
+microseconds.
 
     python -m ops.bench.bench_qgemv [--rounds 40] [--json out.json]
+    python -m ops.bench.bench_qgemv --rows 33 128 --matrices gate_up_proj lm_head --rounds 10
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.qgemv import pack_q4_blocks, q4_dequantize, q4_linear, q8_linear
+from kernels.qgemm_bf16 import bf16_gemm_available, q4_linear_bf16, q8_linear_bf16
+from kernels.qgemv import pack_q4_blocks, q4_dequantize, q4_linear, q8_dequantize, q8_linear
 from kernels.qgemv_i8 import int8_kernels_available, q4_linear_i8, q8_linear_i8
 from runtime.quant.linear import Int4Linear
 
@@ -41,10 +45,15 @@ def methods(out_f: int, in_f: int, gen: torch.Generator) -> dict[str, Callable]:
         out["q8 kernel (Q8_0)"] = lambda x: q8_linear(x, q8, d)
         if int8_kernels_available():
             out["q8 kernel, int8 x (VNNI)"] = lambda x: q8_linear_i8(x, q8, d)
+        if bf16_gemm_available():
+            out["q8 bf16 tiles"] = lambda x: q8_linear_bf16(x, q8, d)
+        out["q8 dequant + F.linear"] = lambda x: F.linear(x, q8_dequantize(q8, d))
         return out
     out["q4 kernel (Q4_1, g32 fp16)"] = lambda x: q4_linear(x, qs, d, m, 32)
     if int8_kernels_available():
         out["q4 kernel, int8 x (VNNI)"] = lambda x: q4_linear_i8(x, qs, d, m)
+    if bf16_gemm_available():
+        out["q4 bf16 tiles"] = lambda x: q4_linear_bf16(x, qs, d, m, 32)
     out["q4 dequant + F.linear"] = lambda x: F.linear(x, q4_dequantize(qs, d, m, 32))
     ours = Int4Linear.from_float(w, group_size=128, layout="q4_blocks")
     torch_pack = Int4Linear.from_float(w, group_size=128, layout="cpu_int4pack")
@@ -74,15 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--json", help="write the medians here too")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--matrices", nargs="+", default=[n for n, _, _ in SHAPES],
+                        choices=[n for n, _, _ in SHAPES])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     results = []
     for name, out_f, in_f in SHAPES:
+        if name not in args.matrices:
+            continue
         fns = methods(out_f, in_f, gen)
-        for rows in ROWS:
+        for rows in args.rows:
             x = torch.randn(rows, in_f, generator=gen)
-            res = measure(fns, x, args.rounds)
+            res = measure({k: f for k, f in fns.items() if rows > 16 or "bf16" not in k}, x,
+                          args.rounds)
             base = res["fp32 F.linear"]["cpu_us"]
             for method, r in res.items():
                 results.append({"matrix": name, "out": out_f, "in": in_f, "rows": rows,
