@@ -145,7 +145,8 @@ class EngineConfig:
     gguf_weights: str = "auto"
     # What blocks served as stored multiply on CPU: "float32" (exact up to summation order, the
     # default), "int8" (x rounded per block of 32 as llama.cpp does, VNNI kernels: faster, KL
-    # ~4e-3 nats against the dense model, ops/bench/RESULTS.md), "auto" (int8 where built).
+    # ~4e-3 nats against the dense model, ops/bench/RESULTS.md), "auto" (int8 where built),
+    # "bf16" (past 16 rows x and dequantized weight tiles rounded to bf16 for the CPU's bf16 GEMM).
     gguf_activations: str = "float32"
     num_threads: int | None = None  # CPU compute threads; None: as the process has them
     # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).
@@ -173,8 +174,8 @@ class EngineConfig:
         if self.gguf_weights not in ("auto", "stored", "dequantize"):
             raise InvalidArgument(f"gguf_weights must be auto, stored or dequantize, got "
                                   f"{self.gguf_weights!r}", field="gguf_weights")
-        if self.gguf_activations not in ("auto", "int8", "float32"):
-            raise InvalidArgument(f"gguf_activations must be auto, int8 or float32, got "
+        if self.gguf_activations not in ("auto", "int8", "float32", "bf16"):
+            raise InvalidArgument(f"gguf_activations must be auto, int8, float32 or bf16, got "
                                   f"{self.gguf_activations!r}", field="gguf_activations")
         if self.integrity not in ("tags", "off"):
             raise InvalidArgument(f"integrity must be 'tags' or 'off', got {self.integrity!r}",

@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "chunks.h"
 #include "rows.h"
 
 namespace tessera {
@@ -27,7 +28,7 @@ void decode_attention(const float* q, const T* k, const T* v, const c10::BFloat1
                       bool hadamard, const float* q_scale, const float* out_scale) {
   const int64_t dim = kDim > 0 ? kDim : run_dim;
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(batch * kv_heads, 1, 1, [&](int64_t begin, int64_t end) {
     const bool prep = hadamard || q_scale;
     std::vector<float> row(dim), acc(group * dim), probs, q_rot(prep ? group * dim : 0);
     for (int64_t item = begin; item < end; ++item) {

@@ -13,11 +13,13 @@
 // only in summation order.
 //
 // Tiles: MR rows of x by NR rows of W; each block is dequantized once per tile and used MR
-// times. Threads split the output rows (at::parallel_for); x stays in cache, each thread
+// times. Threads take chunks of output rows (chunks.h); x stays in cache, each thread
 // streams its own weight rows once per MR-row chunk of x (once in all at decode).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "chunks.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace tessera {
 namespace {
@@ -237,12 +240,15 @@ void rows_tile(const W& w, const float* x, int64_t ldx, int64_t n_begin, int64_t
   for (; n < n_end; ++n) tile<W, MR, 1>(w, x, ldx, n, y, ldy);
 }
 
+// Weight rows per task a thread takes (chunks.h): a multiple of every tile's NR.
+constexpr int64_t kTaskRows = 32;
+
 template <typename W>
 void gemm(const W& w, const float* x, int64_t M, int64_t N, float* y) {
   const int64_t K = w.K;
   // ~64 KiB of 4-bit weights per task at least: small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  parallel_chunks(N, kTaskRows, grain, [&](int64_t begin, int64_t end) {
     // Weight rows outer (in chunks that stay in L1/L2), x-row chunks inner.
     constexpr int64_t kRowChunk = 16;
     for (int64_t n0 = begin; n0 < end; n0 += kRowChunk) {
@@ -256,26 +262,138 @@ void gemm(const W& w, const float* x, int64_t M, int64_t N, float* y) {
   });
 }
 
+// Row n of W as float32 into dst[K].
+template <typename W>
+inline void dequantize_row(const W& w, int64_t n, float* dst) {
+  const int64_t nb = w.K / kBlock;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t g = b / w.blocks_per_group;
+#if defined(__AVX512F__)
+    const __m512 v = W::kQ8 ? _mm512_set1_ps(w.scale(n, g))
+                            : group_lut(w, w.scale(n, g), w.offset(n, g));
+    __m512 w0, w1;
+    dequant_block(w, n, b, v, w0, w1);
+    _mm512_storeu_ps(dst + b * kBlock, w0);
+    _mm512_storeu_ps(dst + b * kBlock + 16, w1);
+#else
+    dequant_block_scalar(w, n, b, w.scale(n, g), w.offset(n, g), dst + b * kBlock);
+#endif
+  }
+}
+
 template <typename W>
 void dequantize_rows(const W& w, int64_t N, float* out) {
-  const int64_t K = w.K, nb = K / kBlock;
+  const int64_t K = w.K;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t g = b / w.blocks_per_group;
-        float* dst = out + n * K + b * kBlock;
-#if defined(__AVX512F__)
-        const __m512 v = W::kQ8 ? _mm512_set1_ps(w.scale(n, g))
-                                : group_lut(w, w.scale(n, g), w.offset(n, g));
-        __m512 w0, w1;
-        dequant_block(w, n, b, v, w0, w1);
-        _mm512_storeu_ps(dst, w0);
-        _mm512_storeu_ps(dst + 16, w1);
-#else
-        dequant_block_scalar(w, n, b, w.scale(n, g), w.offset(n, g), dst);
-#endif
-      }
+    for (int64_t n = begin; n < end; ++n) dequantize_row(w, n, out + n * K);
   });
+}
+
+// Past kKernelMaxRows rows of x (prefill, mixed steps, a large decode batch) the register
+// tiles above lose to BLAS: tiles of W are dequantized into a thread's buffer, which stays in
+// L2, and multiplied by BLAS (one thread per tile). Each weight is decoded once per call and the
+// whole matrix is never written out in float32 (113 MB for the default model's lm_head).
+constexpr int64_t kKernelMaxRows = 32;
+
+}  // namespace
+}  // namespace tessera
+
+// Fortran BLAS, exported by torch's own library (MKL on x86 builds); weak, so a torch without it
+// still loads these ops and takes at::mm_out instead.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc) __attribute__((weak));
+// MKL's bf16 x bf16 -> fp32 GEMM (AMX or AVX512-BF16 where the CPU has them), CBLAS enums as
+// ints (101 row-major, 111 no transpose, 112 transpose); weak like sgemm_.
+extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k,
+                                       float alpha, const uint16_t* a, int lda,
+                                       const uint16_t* b, int ldb, float beta, float* c,
+                                       int ldc) __attribute__((weak));
+
+namespace tessera {
+namespace {
+
+// y[:, n0:n0+rows] (row stride ldy) = x[M, K] @ tile[rows, K]^T on the calling thread.
+inline void tile_matmul(const float* tile, int64_t rows, const float* x, int64_t M, int64_t K,
+                        float* y, int64_t ldy) {
+  if (sgemm_ != nullptr) {
+    // Column-major: y^T[rows, M] (ld ldy) = tile^T^T[rows, K] @ x^T[K, M].
+    const int m = static_cast<int>(rows), n = static_cast<int>(M), k = static_cast<int>(K);
+    const int lda = k, ldb = k, ldc = static_cast<int>(ldy);
+    const float one = 1.0f, zero = 0.0f;
+    sgemm_("T", "N", &m, &n, &k, &one, tile, &lda, x, &ldb, &zero, y, &ldc);
+    return;
+  }
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, opts);
+  at::Tensor wt = at::from_blob(const_cast<float*>(tile), {rows, K}, opts);
+  at::Tensor yt = at::from_blob(y, {M, rows}, {ldy, 1}, opts);
+  at::mm_out(yt, xt, wt.t());
+}
+
+template <typename W>
+void gemm_dequant(const W& w, const float* x, int64_t M, int64_t N, float* y) {
+  const int64_t K = w.K;
+  // ~512 KiB of float32 weights per tile (it stays in L2), a multiple of 32 rows.
+  const int64_t tile_rows = std::max<int64_t>(32, ((int64_t{1} << 17) / K) / 32 * 32);
+  parallel_chunks(N, tile_rows, 0, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> tile;
+    tile.resize(tile_rows * K);
+    for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
+      const int64_t rows = std::min(end, n0 + tile_rows) - n0;
+      for (int64_t r = 0; r < rows; ++r) dequantize_row(w, n0 + r, tile.data() + r * K);
+      tile_matmul(tile.data(), rows, x, M, K, y + n0, N);
+    }
+  });
+}
+
+// float32 -> bf16 bits, round to nearest even (finite inputs); a loop the compiler vectorizes.
+inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t b = __builtin_bit_cast(uint32_t, src[j]);
+    dst[j] = static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  }
+}
+
+// y = bf16(x) @ bf16(W)^T with float32 sums: tiles of W dequantized and rounded to bf16 into a
+// thread's buffer, multiplied by MKL's bf16 GEMM (AMX here: ~4x its float32 GEMM).
+template <typename W>
+void gemm_bf16(const W& w, const float* x, int64_t M, int64_t N, float* y) {
+  const int64_t K = w.K;
+  std::vector<uint16_t> xb(M * K);
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    to_bf16(x + b * K, xb.data() + b * K, (e - b) * K);
+  });
+  // ~512 KiB of bf16 weights per tile, a multiple of 32 rows.
+  const int64_t tile_rows = std::max<int64_t>(32, ((int64_t{1} << 18) / K) / 32 * 32);
+  parallel_chunks(N, tile_rows, 0, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint16_t> tile;
+    thread_local std::vector<float> row;
+    tile.resize(tile_rows * K);
+    row.resize(K);
+    for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
+      const int64_t rows = std::min(end, n0 + tile_rows) - n0;
+      for (int64_t r = 0; r < rows; ++r) {
+        dequantize_row(w, n0 + r, row.data());
+        to_bf16(row.data(), tile.data() + r * K, K);
+      }
+      cblas_gemm_bf16bf16f32(101, 111, 112, static_cast<int>(M), static_cast<int>(rows),
+                             static_cast<int>(K), 1.0f, xb.data(), static_cast<int>(K),
+                             tile.data(), static_cast<int>(K), 0.0f, y + n0,
+                             static_cast<int>(N));
+    }
+  });
+}
+
+// y = x @ W^T by the register tiles up to kKernelMaxRows rows of x, by dequantized tiles past.
+template <typename W>
+void linear(const W& w, const float* x, int64_t M, int64_t N, float* y) {
+  if (M > kKernelMaxRows) {
+    gemm_dequant(w, x, M, N, y);
+  } else {
+    gemm(w, x, M, N, y);
+  }
 }
 
 void check_x(const at::Tensor& x, int64_t K) {
@@ -360,7 +478,34 @@ void q4_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::
   check_out(out, M, N);
   if (M == 0 || N == 0) return;
   with_q4(qs, d, m, zeros, group_size,
-          [&](const auto& w) { gemm(w, x.data_ptr<float>(), M, N, out.data_ptr<float>()); });
+          [&](const auto& w) { linear(w, x.data_ptr<float>(), M, N, out.data_ptr<float>()); });
+}
+
+bool bf16_gemm_available() { return cblas_gemm_bf16bf16f32 != nullptr; }
+
+// As q4_linear_out with x and W rounded to bf16 (float32 sums) at every row count: the caller
+// chooses it for many rows (prefill, large batches), where it is compute-bound.
+void q4_linear_bf16_out(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                        c10::optional<at::Tensor> zeros, int64_t group_size, at::Tensor out) {
+  TORCH_CHECK(bf16_gemm_available(), "this torch has no bf16 GEMM (bf16_gemm_available)");
+  const int64_t K = check_q4(qs, d, m, zeros, group_size);
+  check_x(x, K);
+  const int64_t M = x.size(0), N = qs.size(0);
+  check_out(out, M, N);
+  if (M == 0 || N == 0) return;
+  with_q4(qs, d, m, zeros, group_size, [&](const auto& w) {
+    gemm_bf16(w, x.data_ptr<float>(), M, N, out.data_ptr<float>());
+  });
+}
+
+void q8_linear_bf16_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out) {
+  TORCH_CHECK(bf16_gemm_available(), "this torch has no bf16 GEMM (bf16_gemm_available)");
+  const Q8Weights w = q8_weights(qs, d);
+  check_x(x, w.K);
+  const int64_t M = x.size(0), N = qs.size(0);
+  check_out(out, M, N);
+  if (M == 0 || N == 0) return;
+  gemm_bf16(w, x.data_ptr<float>(), M, N, out.data_ptr<float>());
 }
 
 at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
@@ -378,7 +523,7 @@ void q8_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out) {
   const int64_t M = x.size(0), N = qs.size(0);
   check_out(out, M, N);
   if (M == 0 || N == 0) return;
-  gemm(w, x.data_ptr<float>(), M, N, out.data_ptr<float>());
+  linear(w, x.data_ptr<float>(), M, N, out.data_ptr<float>());
 }
 
 at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d) {
@@ -399,4 +544,9 @@ TORCH_LIBRARY(tessera_quant, m) {
   m.def("q8_linear_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out) -> ()",
         &tessera::q8_linear_out);
   m.def("q8_dequantize(Tensor qs, Tensor d) -> Tensor", &tessera::q8_dequantize);
+  m.def("bf16_gemm_available() -> bool", &tessera::bf16_gemm_available);
+  m.def("q4_linear_bf16_out(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? zeros, "
+        "int group_size, Tensor(a!) out) -> ()", &tessera::q4_linear_bf16_out);
+  m.def("q8_linear_bf16_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out) -> ()",
+        &tessera::q8_linear_bf16_out);
 }

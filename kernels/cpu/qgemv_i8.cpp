@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "chunks.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TESSERA_I8 1
 #include <immintrin.h>
@@ -232,7 +234,8 @@ template <typename W>
 void gemm_i8(const W& w, const QuantX& x, int64_t M, int64_t N, int64_t K, float* y) {
   // ~32 KiB of weight bytes per task at least: small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  // 48 weight rows per task a thread takes (chunks.h): a multiple of every tile's NR.
+  parallel_chunks(N, 48, grain, [&](int64_t begin, int64_t end) {
     constexpr int64_t kRowChunk = 16;  // weight rows outer (kept in L1/L2), x rows inner
     for (int64_t n0 = begin; n0 < end; n0 += kRowChunk) {
       const int64_t n1 = std::min(end, n0 + kRowChunk);

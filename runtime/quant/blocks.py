@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.qgemm_bf16 import q4_linear_bf16, q8_linear_bf16
 from kernels.qgemv import (
     BLOCK,
     q4_dequantize,
@@ -116,11 +117,11 @@ def cat_planes(parts: list[BlockPlanes]) -> BlockPlanes:
                        torch.cat([p.d for p in parts]), m)
 
 
-ACTIVATIONS = ("auto", "int8", "float32")
+ACTIVATIONS = ("auto", "int8", "float32", "bf16")
 
 
 def resolve_activations(choice: str) -> str:
-    """`int8` or `float32` for a BlockLinear; "auto" is int8 where the CPU has the int8
+    """`int8`, `float32` or `bf16` for a BlockLinear; "auto" is int8 where the CPU has the int8
     kernels (AVX-512 VNNI), else float32. Raises ValueError for an unknown choice."""
     if choice not in ACTIVATIONS:
         raise ValueError(f"block activations must be one of {', '.join(ACTIVATIONS)}, got "
@@ -133,22 +134,29 @@ def resolve_activations(choice: str) -> str:
 class BlockLinear(nn.Module):
     """y = x @ W^T (+ bias) with W held as block planes, never as a dense tensor.
 
-    float32 x on CPU, up to `kernel_max_rows` rows (decode): with `activations="int8"` the
-    int8-activation kernel (`kernels.qgemv_i8`: x rounded to int8 per block of 32, VNNI dot
-    products), with "float32" the float kernel (`kernels.qgemv`: exact up to summation order).
-    Beyond (prefill, compute-bound): dequantize into a temporary, then a dense fp32 matmul
-    (measured in ops/bench/RESULTS.md). Other dtypes or devices: dequantize and matmul.
+    float32 x on CPU: up to `kernel_max_rows` rows (decode) the float kernel
+    (`kernels.qgemv`: blocks decoded in registers, exact up to summation order), or with
+    `activations="int8"` up to `int8_max_rows` rows the int8-activation kernel
+    (`kernels.qgemv_i8`: x rounded to int8 per block of 32, VNNI dot products). Past that
+    (prefill, mixed steps, large batches) the same float op dequantizes tiles of W into a
+    cache-resident buffer and multiplies them by BLAS, never the whole matrix at once (see
+    ops/bench/RESULTS.md). With `activations="bf16"`, past `bf16_min_rows` rows x and the
+    tiles are rounded to bf16 for the CPU's bf16 GEMM (`kernels.qgemm_bf16`, vLLM-CPU's
+    precision), ~4x the float32 GEMM here. Other dtypes or devices: dequantize and matmul.
     Buffers are non-persistent: the planes come from the GGUF file, not from a state dict.
     """
 
-    kernel_max_rows = 32  # float32 activations; int8 ones up to `int8_max_rows`
+    kernel_max_rows = 32  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
     int8_max_rows = 64
+    bf16_min_rows = 16  # with "bf16": float32 kernel up to here, bf16 tiles past (RESULTS.md)
     weight = None  # no dense weight; a tied assignment (`lm_head.weight = ...`) is a no-op
 
     def __init__(self, planes: BlockPlanes, bias: torch.Tensor | None = None,
                  activations: str = "float32") -> None:
         super().__init__()
-        self.int8 = resolve_activations(activations) == "int8"
+        self.activations = resolve_activations(activations)
+        self.int8 = self.activations == "int8"
+        self.bf16 = self.activations == "bf16"
         self.kind = planes.kind
         self.in_features, self.out_features = planes.in_features, planes.out_features
         self.register_buffer("qs", planes.qs, persistent=False)
@@ -170,11 +178,13 @@ class BlockLinear(nn.Module):
         return q8_dequantize(self.qs, self.d).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        limit = self.int8_max_rows if self.int8 else self.kernel_max_rows
-        if x.dtype != torch.float32 or x.device.type != "cpu" or rows > limit:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, self.dequantize(x.dtype), self.bias)
-        if self.int8:
+        rows = x.numel() // self.in_features
+        if self.bf16 and rows > self.bf16_min_rows:
+            y = (q4_linear_bf16(x, self.qs, self.d, self.m, BLOCK) if self.kind == "q4"
+                 else q8_linear_bf16(x, self.qs, self.d))
+        elif self.int8 and rows <= self.int8_max_rows:
             if self.kind == "q4":
                 y = q4_linear_i8(x, self.qs, self.d, self.m)
             else:
@@ -188,7 +198,7 @@ class BlockLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{self.kind} blocks of {BLOCK} (GGUF, as stored), "
-                f"{'int8' if self.int8 else 'float32'} activations")
+                f"{self.activations} activations")
 
 
 class BlockEmbedding(nn.Module):

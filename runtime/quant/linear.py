@@ -27,8 +27,8 @@ Since issue 16, INT4 on CPU with the C++ ops built (and in % 32 == 0) uses the q
 instead (`layout="q4_blocks"`, kernels/cpu/qgemv.cpp): fp32 activations, codes dequantized in
 registers exactly as `dequantize` forms them, any group size with a short last group read with
 its own scale; faster than int4pack at 1, 8 and 32 rows on the model's shapes and as exact as
-the fp32 path (ops/bench/RESULTS.md, "CPU weight kernels"). Past `q4_kernel_max_rows` rows it
-dequantizes (in C++) and runs an fp32 matmul.
+the fp32 path (ops/bench/RESULTS.md, "CPU weight kernels"). Past `q4_kernel_max_rows` rows the
+same op dequantizes tiles of the weight into a cache-resident buffer and multiplies them by BLAS.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Int4Linear(nn.Module):
     """
 
     kernel_max_rows = 128  # past this the dequantize-then-matmul path wins (table above)
-    q4_kernel_max_rows = 32  # the same for the q4 block kernel (ops/bench/RESULTS.md)
+    q4_kernel_max_rows = 32  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
 
     def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                  weight_zero_point: torch.Tensor | None, in_features: int, group_size: int,
@@ -178,8 +178,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if (self.layout == "q4_blocks" and rows <= self.q4_kernel_max_rows
-                and x.dtype == torch.float32):
+        if self.layout == "q4_blocks" and x.dtype == torch.float32:
             y = q4_linear(x, self.weight_packed, self.weight_scale, None, self.group_size,
                           self.weight_zero_point)
             return y if self.bias is None else y + self.bias

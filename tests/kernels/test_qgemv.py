@@ -25,7 +25,8 @@ from kernels.qgemv import (
 
 pytestmark = pytest.mark.skipif(native() is None, reason="no C++ toolchain: the twins run alone")
 
-ROWS = (1, 2, 3, 5, 8, 9, 16, 31, 32, 33)  # every tile shape and its remainders
+ROWS = (1, 2, 3, 5, 8, 9, 16, 31, 32, 33, 97)  # every tile shape and remainder; past 32 rows
+# the op multiplies dequantized tiles of W by BLAS instead
 SHAPES = ((1, 32), (3, 96), (7, 160), (64, 64), (129, 576), (200, 1536))  # (N, K)
 # fp32 sums of K products in another order: |error| <= K * eps * sum |x w| (a loose bound).
 REL_TOL = 2e-5
@@ -119,16 +120,17 @@ def test_q8_linear_equals_its_twin_over_sizes_and_row_counts():
 def test_kernels_keep_leading_dimensions_and_use_every_thread_the_same_way():
     gen = torch.Generator().manual_seed(3)
     w = q4_weights(300, 576, 64, torch.float16, "m", gen)
-    x = torch.randn(2, 3, 576, generator=gen)
-    y1 = q4_linear(x, w["qs"], w["d"], w["m"], 64)
-    assert y1.shape == (2, 3, 300)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        y2 = q4_linear(x, w["qs"], w["d"], w["m"], 64)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(y1, y2)  # a row's sum never depends on how rows are split
+    for lead in ((2, 3), (5, 8)):  # register tiles; dequantized tiles (300 rows: two of them)
+        x = torch.randn(*lead, 576, generator=gen)
+        y1 = q4_linear(x, w["qs"], w["d"], w["m"], 64)
+        assert y1.shape == (*lead, 300)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            y2 = q4_linear(x, w["qs"], w["d"], w["m"], 64)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(y1, y2)  # a row's sum never depends on how rows are split
 
 
 @pytest.mark.parametrize("bad", ["k_not_32", "scale_shape", "x_width", "x_dtype", "out_shape"])

@@ -106,3 +106,18 @@ def test_every_block_tensor_of_the_default_model_imports_bit_exactly(default_mod
         if name in wanted:  # the dequantizing loader's own output, q/k unpermuted
             assert torch.equal(planes.dequantize(), dense[name]), name
     assert kinds == {"q4", "q8"} and wanted <= set(dense)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_bf16_activations_round_only_past_their_row_threshold(type_name, one_torch_thread):
+    raw = random_blocks(70, 18, type_name, seed=4)
+    weight = gguf_dequantized(raw, type_name)
+    exact = BlockLinear(import_gguf_blocks(raw, type_name))
+    layer = BlockLinear(import_gguf_blocks(raw, type_name), activations="bf16")
+    few = torch.randn(BlockLinear.bf16_min_rows, 576)
+    assert torch.equal(layer(few), exact(few))  # decode-sized: the float32 kernel, unchanged
+    many = torch.randn(BlockLinear.bf16_min_rows + 1, 576)
+    bf16 = F.linear(many.bfloat16().float(), weight.bfloat16().float())
+    bound = (many.abs() @ weight.abs().t()) * 1e-5 + 1e-6
+    assert ((layer(many) - bf16).abs() <= bound).all()
+    assert not torch.equal(layer(many), exact(many))
