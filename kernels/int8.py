@@ -7,10 +7,12 @@ to nearest (ties to even) and clamped to [-127, 127] (-128 is never written: the
 symmetric); NaN becomes 0 and +-inf the clamp. Why int8 rather than e4m3 for rotated K and V:
 e4m3 keeps ~3 mantissa bits at every magnitude, a floating-point grid made for heavy-tailed
 data; after the Hadamard rotation (kernels/hadamard.py) a row is near-Gaussian with no
-outliers, and 255 uniform levels spread over its amax hold it with ~4x less error (QuaRot,
-Ashkboos et al. 2024, sec. 4, and LMDeploy's KV int8 use the same symmetric per-head
-round-to-nearest; measured in ops/bench/RESULTS.md, issue 17). Decoding is one int8 -> float
-convert and a multiply, as cheap in registers as e4m3's bit decode.
+outliers, and 255 uniform levels spread over its amax hold it with ~4x less error (measured in
+ops/bench/RESULTS.md, issue 17). The method is the per-token, per-head round-to-nearest of
+QuaRot's rotated KV cache (Ashkboos et al. 2024, sec. 4) and of LMDeploy's online KV int8; both
+add a zero point, which this format leaves out: rotated (and key-mean-shifted) rows are
+centred, and a symmetric grid keeps FP8's exact layout, one bf16 scale per row. Decoding is one
+int8 -> float convert and a multiply, as cheap in registers as e4m3's bit decode.
 
 The two formats are told apart by their page storage dtype, everywhere: e4m3 bytes are kept
 as uint8, int8 as int8 (`QUANTIZED_KV_DTYPES`).
