@@ -1,6 +1,7 @@
 // Decode attention straight from KV pages: one query token per sequence, pages read in their
-// storage format (fp32 / bf16 / fp16, or e4m3 bytes or int8 with a bf16 scale per token and head) and
-// decoded a row at a time into registers-sized buffers, never into a gathered copy.
+// storage format (fp32 / bf16 / fp16, or e4m3 bytes or int8 codes with a bf16 scale per token
+// and head) and decoded a row at a time into registers-sized buffers, never into a gathered
+// copy.
 // One work item per (sequence, KV head): its query heads (GQA group) share every K/V row read.
 // Pages stored Hadamard-rotated (see kernels/hadamard.py) are read with q rotated the same way
 // and the output rotated back: two dim-sized transforms per query head, none per K/V row.

@@ -1,5 +1,6 @@
-// Shared helpers of the CPU ops: decode one row of a KV page (any storage format) into float32, and a branch-free
-// exp the compiler can vectorize (libm's expf is a scalar call per element).
+// Shared helpers of the CPU ops: decode one row of a KV page (any storage format) into
+// float32, and a branch-free exp the compiler can vectorize (libm's expf is a scalar call per
+// element).
 #pragma once
 
 #include <c10/util/BFloat16.h>
