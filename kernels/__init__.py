@@ -1,10 +1,18 @@
-"""Attention and KV ops and the FP8 KV format: torch reference twins (CPU path and test
-oracle); Triton comes later.
+"""Attention and KV ops and the 1-byte KV formats (FP8 e4m3, symmetric INT8): torch
+reference twins (CPU path and test oracle) and C++ CPU ops; Triton comes later.
 
 Importing this package never needs a GPU.
 """
 
 from kernels.fp8 import FP8_MAX, decode_e4m3_bits, dequantize_fp8_kv, fp8_scale, quantize_fp8_kv
+from kernels.int8 import (
+    INT8_MAX,
+    dequantize_int8_kv,
+    dequantize_kv,
+    is_quantized_kv,
+    quantize_int8_kv,
+    quantize_kv,
+)
 from kernels.moe import fused_moe, moe_align, ref_fused_moe
 from kernels.paged_attention import (
     decode_pads_to_longest,
@@ -17,15 +25,21 @@ from kernels.store_kv import ref_store_kv, store_kv, store_latent
 
 __all__ = [
     "FP8_MAX",
+    "INT8_MAX",
     "decode_e4m3_bits",
     "decode_pads_to_longest",
     "dequantize_fp8_kv",
+    "dequantize_int8_kv",
+    "dequantize_kv",
     "fp8_scale",
     "fused_moe",
+    "is_quantized_kv",
     "moe_align",
     "paged_decode_attention",
     "paged_prefill_attention",
     "quantize_fp8_kv",
+    "quantize_int8_kv",
+    "quantize_kv",
     "ref_fused_moe",
     "ref_paged_decode_attention",
     "ref_paged_prefill_attention",

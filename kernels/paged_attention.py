@@ -2,15 +2,16 @@
 
 The reference twins gather a sequence's pages into contiguous per-head context and run
 batched matmuls; query heads are grouped under their KV head (GQA) so nothing is repeated.
-Pages may be fp32/bf16/fp16, or fp8 e4m3 bytes (uint8) with one scale per (token, head):
-decode folds those scales into scores and probabilities, prefill dequantizes the context.
+Pages may be fp32/bf16/fp16, or a 1-byte format (fp8 e4m3 bytes as uint8, or symmetric int8:
+`kernels/int8.py`) with one scale per (token, head): decode folds those scales into scores and
+probabilities, prefill dequantizes the context.
 On CPU, decode runs the C++ op (`kernels/cpu/paged_decode.cpp`), which reads pages in their
 storage format row by row instead of gathering a float copy; the torch twin is its oracle.
-With `hadamard` (fp8 pages written by `store_kv(..., hadamard=True)`), K and V are stored
+With `hadamard` (fp8 / int8 pages written by `store_kv(..., hadamard=True)`), K and V are stored
 rotated: q is rotated the same way (q.k unchanged) and the output rotated back, per head
 (`kernels/hadamard.py`, QuaRot's online Hadamard). With `q_scale` / `out_scale` ([kv_heads,
-dim] float32, smoothed fp8 pages: `runtime/kv/smoothing.py`), each query is multiplied by its KV
-head's q_scale before that rotation and each output by out_scale after it.
+dim] float32, smoothed quantized pages: `runtime/kv/smoothing.py`), each query is multiplied
+by its KV head's q_scale before that rotation and each output by out_scale after it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from kernels.cpu_ops import native
 from kernels.hadamard import fwht
+from kernels.int8 import is_quantized_kv
 from kernels.kv_fp8 import gather_e4m3_rows
 
 
@@ -32,7 +34,8 @@ def _page_rows(cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
 def _gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor,
                   dtype: torch.dtype) -> torch.Tensor:
     # cache: [kv_heads, pages, page_size, dim]; page_ids: [..., max_pages]
-    # -> [kv_heads, ..., max_pages * page_size, dim] in `dtype` (fp8 bytes decoded, unscaled)
+    # -> [kv_heads, ..., max_pages * page_size, dim] in `dtype` (1-byte codes decoded,
+    # unscaled: int8 by a plain convert)
     # NOTE: one dim-0 index_select over whole (head, page) rows: each copy is a contiguous
     # page, ~2.5x faster on CPU than index_select along the page dimension.
     heads, pages, page_size, dim = cache.shape
@@ -68,7 +71,7 @@ def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                out_scale: torch.Tensor | None = None) -> torch.Tensor:
     # q: [batch, heads, dim]; page_table: [batch, max_pages]; context_lens: [batch] long
     batch, num_heads, dim = q.shape
-    rotated = hadamard and k_cache.dtype == torch.uint8
+    rotated = hadamard and is_quantized_kv(k_cache.dtype)
     kv_heads, _, page_size, _ = k_cache.shape
     q = _per_kv_head(q.contiguous(), q_scale, kv_heads)
     if rotated:
@@ -106,7 +109,7 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     # q: [chunk, heads, dim] for one sequence; keys are its first context_len cached tokens.
     # mask: [chunk, context_len] bool (True = attend) or None for plain causal from position 0.
     chunk, num_heads, dim = q.shape
-    rotated = hadamard and k_cache.dtype == torch.uint8
+    rotated = hadamard and is_quantized_kv(k_cache.dtype)
     kv_heads = k_cache.shape[0]
     q = _per_kv_head(q.contiguous(), q_scale, kv_heads)
     if rotated:

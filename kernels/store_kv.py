@@ -1,10 +1,12 @@
-"""Write new tokens' K and V into their page slots, in place (quantizing for fp8 pages).
+"""Write new tokens' K and V into their page slots, in place (quantizing for 1-byte pages).
 
 On CPU the C++ op (`kernels/cpu/store_kv.cpp`) does each of K and V in one call, bit for bit
-the torch twin's result. With `hadamard`, fp8 pages get the rows' Walsh-Hadamard rotation
-(`kernels/hadamard.py`), quantized; other page formats ignore it. Smoothed fp8 pages
-(`runtime/kv/smoothing.py`) store (x - shift) / divisor per (head, channel), before the
-rotation (`k_shift`, `k_divisor`, `v_divisor`: [kv_heads, dim] float32 or None).
+the torch twin's result. Quantized pages are fp8 e4m3 bytes (uint8) or symmetric int8, each
+with a bf16 scale per (token, head) (`kernels/fp8.py`, `kernels/int8.py`). With `hadamard`,
+quantized pages get the rows' Walsh-Hadamard rotation (`kernels/hadamard.py`), quantized; other
+page formats ignore it. Smoothed quantized pages (`runtime/kv/smoothing.py`) store
+(x - shift) / divisor per (head, channel), before the rotation (`k_shift`, `k_divisor`,
+`v_divisor`: [kv_heads, dim] float32 or None).
 """
 
 from __future__ import annotations
@@ -12,23 +14,23 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_ops import native
-from kernels.fp8 import quantize_fp8_kv
 from kernels.hadamard import fwht
+from kernels.int8 import is_quantized_kv, quantize_kv
 
 
 def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
            slot_mapping: torch.Tensor, hadamard: bool, shift: torch.Tensor | None = None,
            divisor: torch.Tensor | None = None) -> None:
     heads, pages, page_size, dim = cache.shape
-    if cache.dtype != torch.uint8:
-        assert shift is None and divisor is None, "smoothing is for fp8 pages"
+    if not is_quantized_kv(cache.dtype):
+        assert shift is None and divisor is None, "smoothing is for quantized pages"
     else:
-        assert scale is not None and scale.shape == (heads, pages, page_size), "fp8 needs scales"
+        assert scale is not None and scale.shape == (heads, pages, page_size), \
+            "quantized pages need scales"
         x = x if shift is None else x - shift
         x = x if divisor is None else x / divisor
-        # q: [tokens, heads, dim] e4m3; s: [tokens, heads] bf16
-        q, s = quantize_fp8_kv(fwht(x) if hadamard else x)
-        x = q.view(torch.uint8)
+        # x: [tokens, heads, dim] codes in the page dtype; s: [tokens, heads] bf16
+        x, s = quantize_kv(fwht(x) if hadamard else x, cache.dtype)
         scale.view(heads, pages * page_size).index_copy_(1, slot_mapping, s.t().to(scale.dtype))
     cache.view(heads, pages * page_size, dim).index_copy_(1, slot_mapping,
                                                          x.transpose(0, 1).to(cache.dtype))
@@ -64,7 +66,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
                  scale: torch.Tensor | None = None) -> None:
     """MLA: write new tokens' latent vectors [tokens, 1, latent_dim] into latent pages
-    [1, pages, page_size, latent_dim] (fp8 pages: one scale per token in `scale`)."""
+    [1, pages, page_size, latent_dim] (fp8 / int8 pages: one scale per token in
+    `scale`)."""
     assert latent.shape[1:] == (1, cache.shape[-1]) and cache.shape[0] == 1, (latent.shape,
                                                                               cache.shape)
     ops = native() if latent.device.type == "cpu" and latent.dtype == torch.float32 else None

@@ -98,7 +98,7 @@ class LLMEngine:
                                       f"{spec.bytes_per_page} bytes", field="kv_cache_bytes")
             self.kv_cache = KVCache(spec, tp_pages, self.device)
             self.kv_cache.budget_bytes = budget
-        if smoothing.SMOOTH_FP8_KEYS and spec.is_fp8 and not spec.latent and self.tp is None:
+        if smoothing.SMOOTH_FP8_KEYS and spec.quantized and not spec.latent and self.tp is None:
             self.kv_cache.key_smoothing = smoothing.calibrate_key_smoothing(
                 self.prefill_model, spec.num_layers, spec.num_kv_heads, spec.head_dim,
                 smoothing.calibration_windows(

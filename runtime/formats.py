@@ -14,7 +14,7 @@ Tensors that are never quantized (embeddings, norms, router) are stored in the m
 
 KV cache, per stored vector (one token of one KV head, or one token's MLA latent):
 - fp32 / bf16 / fp16: 4 / 2 / 2 bytes per element.
-- fp8 (e4m3): 1 byte per element plus one bf16 scale per vector.
+- fp8 (e4m3) / int8 (symmetric, amax / 127): 1 byte per element plus one bf16 scale per vector.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from runtime.errors import InvalidArgument
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 DTYPES = ("fp32", "bf16", "fp16")
 WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "fp8", "int4")
-KV_FORMATS = ("fp32", "bf16", "fp16", "fp8")
+KV_FORMATS = ("fp32", "bf16", "fp16", "fp8", "int8")
+# 1-byte KV formats with one bf16 scale per vector (kernels/fp8.py, kernels/int8.py): the same
+# bytes, the same page layout, rotation and smoothing; they differ in the code grid only.
+QUANTIZED_KV_FORMATS = ("fp8", "int8")
 INT4_GROUP_SIZES = (32, 64, 128)
 # how `tessera convert` rounds: round to nearest, or GPTQ's calibrated rounding
 CONVERT_METHODS = ("rtn", "gptq")
@@ -34,10 +37,11 @@ FP8_BLOCK = (128, 128)  # DeepSeek-V3's quantization_config.weight_block_size
 
 FP8_WEIGHT_SCALE_BYTES = 4  # float32, one per output channel
 INT4_SCALE_BYTES = 2  # bf16, one per group
-KV_FP8_SCALE_BYTES = 2  # bf16, one per (token, kv head) or per token of MLA latent
+KV_FP8_SCALE_BYTES = 2  # bf16, one per (token, kv head) or per token of MLA latent (fp8, int8)
 
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
             "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8"}
+# NOTE: "int8" is its own canonical name (a KV format only; int8 weights are not a format).
 
 
 def canonical_name(name: str) -> str:
@@ -146,12 +150,18 @@ class KVFormat:
         return cls(canonical_name(name))
 
     def vector_bytes(self, dim: int) -> int:
-        if self.name == "fp8":
+        if self.quantized:
             return dim + KV_FP8_SCALE_BYTES
         return dim * ELEMENT_BYTES[self.name]
 
+    @property
+    def quantized(self) -> bool:
+        """A 1-byte format with one bf16 scale per vector (fp8 or int8)."""
+        return self.name in QUANTIZED_KV_FORMATS
+
     def gqa_bytes_per_token_layer(self, num_kv_heads: int, head_dim: int) -> int:
-        """K and V of one token in one layer: 2 * kv_heads * (head_dim + 2) bytes in fp8."""
+        """K and V of one token in one layer: 2 * kv_heads * (head_dim + 2) bytes in fp8 or
+        int8."""
         return 2 * num_kv_heads * self.vector_bytes(head_dim)
 
     def latent_bytes_per_token_layer(self, latent_dim: int) -> int:

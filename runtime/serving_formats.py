@@ -1,7 +1,7 @@
 """Which weight and KV formats each phase serves in, resolved and checked once at start.
 
 A config names, per phase, a weight format (fp32|bf16|fp16|fp8|int4) and a KV format
-(fp32|bf16|fp16|fp8); "auto" means the engine's compute dtype (or the checkpoint's own format
+(fp32|bf16|fp16|fp8|int8); "auto" means the engine's compute dtype (or the checkpoint's own format
 when the checkpoint is already quantized). A colocated engine writes KV in the decode format,
 runs prefill steps with the prefill weights and decode steps with the decode weights.
 Combinations that spend memory or accuracy for nothing are refused with the reason.
@@ -17,8 +17,8 @@ from typing import Any
 from runtime.errors import InvalidArgument
 from runtime.formats import KVFormat, WeightFormat, canonical_name
 
-# Higher = more precise; fp16 and bf16 rank together.
-_PRECISION = {"fp32": 4, "bf16": 3, "fp16": 3, "fp8": 2, "int4": 1}
+# Higher = more precise; fp16 and bf16 rank together, and so do the 1-byte KV formats.
+_PRECISION = {"fp32": 4, "bf16": 3, "fp16": 3, "fp8": 2, "int8": 2, "int4": 1}
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,12 @@ class ServingFormats:
                 f"prefill KV {p.kv.name} is coarser than decode KV {d.kv.name}: decode would "
                 f"import already-rounded KV into pages that cost more and hold no more "
                 f"information", field="prefill_kv_cache_dtype")
+        if p.kv.quantized and d.kv.quantized and p.kv != d.kv:
+            raise InvalidArgument(
+                f"prefill KV {p.kv.name} and decode KV {d.kv.name} are different 1-byte formats: "
+                f"decode would re-round already-rounded KV into pages of the same size; use one "
+                f"of them for both phases, or a wider prefill format",
+                field="prefill_kv_cache_dtype")
 
     @classmethod
     def from_file(cls, path: str | Path, compute_dtype: str) -> ServingFormats:

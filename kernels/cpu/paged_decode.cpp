@@ -1,6 +1,7 @@
 // Decode attention straight from KV pages: one query token per sequence, pages read in their
-// storage format (fp32 / bf16 / fp16 / e4m3 bytes with a bf16 scale per token and head) and
-// decoded a row at a time into registers-sized buffers, never into a gathered copy.
+// storage format (fp32 / bf16 / fp16, or e4m3 bytes or int8 codes with a bf16 scale per token
+// and head) and decoded a row at a time into registers-sized buffers, never into a gathered
+// copy.
 // One work item per (sequence, KV head): its query heads (GQA group) share every K/V row read.
 // Pages stored Hadamard-rotated (see kernels/hadamard.py) are read with q rotated the same way
 // and the output rotated back: two dim-sized transforms per query head, none per K/V row.
@@ -113,7 +114,8 @@ void check_cache(const at::Tensor& cache, const at::Tensor& like, const char* na
 
 // q: [batch, heads, dim] float32; caches: [kv_heads, pages, page_size, dim];
 // page_table: [batch, max_pages] int64; context_lens: [batch] int64 (tokens to attend, >= 1);
-// scales (e4m3 pages only): [kv_heads, pages, page_size] bf16. Returns [batch, heads * dim].
+// scales (quantized pages only: e4m3 uint8 or int8): [kv_heads, pages, page_size] bf16.
+// Returns [batch, heads * dim].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
                                      at::Tensor v_cache, at::Tensor page_table,
                                      at::Tensor context_lens, double scale,
@@ -142,16 +144,16 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
       TORCH_CHECK(pt[b * max_pages + i] >= 0 && pt[b * max_pages + i] < pages,
                   "page id out of range");
   }
-  const bool fp8 = k_cache.scalar_type() == at::kByte;
-  hadamard = hadamard && fp8;  // only e4m3 pages are stored rotated
+  const bool quantized = k_cache.scalar_type() == at::kByte || k_cache.scalar_type() == at::kChar;
+  hadamard = hadamard && quantized;  // only quantized (e4m3 or int8) pages are stored rotated
   TORCH_CHECK(!hadamard || (dim >= 2 && (dim & (dim - 1)) == 0),
               "the Hadamard rotation needs a power-of-two head_dim");
-  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
-              "e4m3 pages need k_scale and v_scale, other formats none");
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()),
+              "quantized pages need k_scale and v_scale, other formats none");
   const c10::BFloat16* ks = nullptr;
   const c10::BFloat16* vs = nullptr;
   at::Tensor ksc, vsc;
-  if (fp8) {
+  if (quantized) {
     ksc = k_scale->contiguous();
     vsc = v_scale->contiguous();
     for (auto* s : {&ksc, &vsc})
@@ -180,6 +182,10 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
     case at::kByte:
       dispatch_dim<uint8_t>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages,
                             hadamard, qs, os);
+      break;
+    case at::kChar:
+      dispatch_dim<int8_t>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s, max_pages,
+                           hadamard, qs, os);
       break;
     case at::kBFloat16:
       dispatch_dim<c10::BFloat16>(qp, k_cache, v_cache, ks, vs, pt, ln, op, batch, heads, s,

@@ -1,5 +1,6 @@
-// Shared helpers of the CPU ops: decode one row of a KV page into float32, and a branch-free
-// exp the compiler can vectorize (libm's expf is a scalar call per element).
+// Shared helpers of the CPU ops: decode one row of a KV page (any storage format) into
+// float32, and a branch-free exp the compiler can vectorize (libm's expf is a scalar call per
+// element).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -21,6 +22,11 @@ inline void load_row(const uint8_t* src, float* dst, int64_t n) {
     uint32_t x = src[j];
     dst[j] = bits_to_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 20)) * 0x1p120f;
   }
+}
+
+// Symmetric int8 codes (kernels/int8.py): the value before its row's scale.
+inline void load_row(const int8_t* src, float* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
 }
 
 inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {

@@ -10,7 +10,9 @@ each K/V row in its storage format (fp8: e4m3 bytes and a bf16 scale per token a
 output per query head; its `store` column times writing one new token per sequence (the
 rotation is paid there too), against plain fp8's. `fp8-smooth` is this tree's default FP8
 format: rotated, with a key shift and key/value channel scales (`runtime/kv/smoothing.py`)
-applied inside the store and decode ops. With `--ref REF`, the C++ ops of that git ref are built
+applied inside the store and decode ops. `int8` and `int8-smooth` are the same for symmetric
+INT8 pages (`kernels/int8.py`, the same bytes); `int8-smooth` is the served INT8 format. With
+`--ref REF`, the C++ ops of that git ref are built
 too (their sources alone, as a second extension) and its fp8 / fp8-rot ops are timed in the same
 interleaved loop (`fp8@REF`, `fp8-rot@REF`): before and after in one run. Formats and paths are
 interleaved; minimum and median of many calls, microseconds.
@@ -36,7 +38,8 @@ from kernels.store_kv import ref_store_kv, store_kv
 
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8,
-           "fp8-rot": torch.uint8, "fp8-smooth": torch.uint8}
+           "fp8-rot": torch.uint8, "fp8-smooth": torch.uint8, "int8": torch.int8,
+           "int8-smooth": torch.int8}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -71,12 +74,12 @@ def _layer(fmt: str, batch: int, context: int, gen: torch.Generator):
     k = torch.empty(KV_HEADS, pages, PAGE, DIM, dtype=FORMATS[fmt])
     v = torch.empty_like(k)
     scales = (None, None)
-    if FORMATS[fmt] == torch.uint8:
+    if FORMATS[fmt] in (torch.uint8, torch.int8):
         scales = (torch.empty(KV_HEADS, pages, PAGE, dtype=torch.bfloat16),
                   torch.empty(KV_HEADS, pages, PAGE, dtype=torch.bfloat16))
     x = torch.randn(pages * PAGE, KV_HEADS, DIM, generator=gen)
     ref_store_kv(x, x.flip(0), k, v, torch.arange(pages * PAGE), *scales,
-                 hadamard=fmt.startswith("fp8-"))
+                 hadamard="-" in fmt)
     table = torch.randperm(pages, generator=gen)[: batch * per_seq].view(batch, per_seq)
     lens = torch.full((batch,), context)
     q = torch.randn(batch, HEADS, DIM, generator=gen)
@@ -124,8 +127,8 @@ def main() -> None:
         timed = functools.partial(_timed, times)
         for _ in range(args.repeats):
             for fmt, (q, k, v, table, lens, scales) in layers.items():
-                rot = fmt.startswith("fp8-")
-                shift, k_div, v_div = smooth if fmt == "fp8-smooth" else (None, None, None)
+                rot = "-" in fmt  # fp8-rot, fp8-smooth, int8-smooth
+                shift, k_div, v_div = smooth if fmt.endswith("-smooth") else (None, None, None)
                 attn_args = (q, k, v, table, lens, DIM**-0.5, *scales, rot)
                 timed((fmt, "op"), ops.paged_decode_attention, *attn_args, k_div, v_div)
                 timed((fmt, "twin"), ref_paged_decode_attention, *attn_args, k_div, v_div)

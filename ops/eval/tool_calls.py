@@ -42,6 +42,7 @@ from typing import Any
 FORMATS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "fp8_kv": {"kv_cache_dtype": "fp8"},
+    "int8_kv": {"kv_cache_dtype": "int8"},
     "int4_decode": {"decode_weights": "int4"},
 }
 OUTCOMES = ("valid", "invalid", "no_call")

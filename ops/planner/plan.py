@@ -12,7 +12,14 @@ from typing import Any
 
 from ops.planner.model import CATEGORIES, QUANTIZABLE, ModelSpec, TensorSpec
 from runtime.errors import InvalidArgument
-from runtime.formats import DTYPES, KVFormat, TensorBytes, WeightFormat, dense_bytes
+from runtime.formats import (
+    DTYPES,
+    QUANTIZED_KV_FORMATS,
+    KVFormat,
+    TensorBytes,
+    WeightFormat,
+    dense_bytes,
+)
 
 GIB = 1 << 30
 DEFAULT_RESERVE_FRACTION = 0.10  # vLLM's default gpu_memory_utilization=0.9 leaves 10%
@@ -235,9 +242,10 @@ def assumptions(spec: ModelSpec, config: PlanConfig, reserve: int | None) -> lis
         out.append("fp8 e4m3 linear weights carry one fp32 scale per output channel")
     out.append(f"other linear weights {linear}; embeddings, norms, router"
                f"{'' if 'lm_head' in config.int4_targets else ', lm_head'} {config.dtype}")
-    if config.kv_cache_dtype == "fp8":
+    if config.kv_cache_dtype in QUANTIZED_KV_FORMATS:
         unit = "token" if spec.kv.kind == "mla" else "(token, kv head)"
-        out.append(f"fp8 e4m3 KV carries one bf16 scale per {unit}")
+        code = "e4m3" if config.kv_cache_dtype == "fp8" else "symmetric"
+        out.append(f"{config.kv_cache_dtype} {code} KV carries one bf16 scale per {unit}")
     if config.tp > 1:
         out.append(f"TP {config.tp}: q/k/v/o, MLP, experts, embeddings and lm_head split; "
                    "norms, router, q_a_proj, kv_a_proj_with_mqa, DSA indexer and MTP eh_proj "

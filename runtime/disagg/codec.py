@@ -1,44 +1,43 @@
 """KV rows <-> frame payloads, and the format change at import.
 
 A payload holds, per layer of its range, K then V of the listed tokens as [kv_heads, tokens,
-head_dim] in the sender's KV storage format, then (fp8 only) K then V scales as bf16 [kv_heads,
-tokens] and the sender's smoothing of that layer (runtime/kv/smoothing.py: key shift, key and
-value channel scales, float32 [kv_heads, head_dim] each; 0 / 1 / 1 when it has none). Only
-valid tokens travel: a page's unused tail (stale bytes from its previous life) never leaves the
-sender.
+head_dim] in the sender's KV storage format, then (fp8 and int8 only) K then V scales as bf16
+[kv_heads, tokens] and the sender's smoothing of that layer (runtime/kv/smoothing.py: key
+shift, key and value channel scales, float32 [kv_heads, head_dim] each; 0 / 1 / 1 when it has
+none). Only valid tokens travel: a page's unused tail (stale bytes from its previous life)
+never leaves the sender.
 
 At import, a payload in the receiver's own format is copied byte for byte; any other format is
 decoded to float32 and written through `kernels.store_kv`, the same op the model writes KV
-with, so FP8 pages imported from fp32 KV are bit-identical to FP8 pages the decode engine
-would have written itself from the same values. FP8 pages hold Hadamard-rotated K/V where the
-spec says so (`KVCacheSpec.hadamard`): an FP8 payload is rotated back after decoding, and
-`store_kv` rotates what it writes into the receiver's rotated pages. Both ends run one build, so
-an FP8 payload copied byte for byte is rotated on both sides or on neither; it is copied only
-when both sides' smoothing is the same, else decoded, unsmoothed and written again.
+with, so FP8 or INT8 pages imported from fp32 / bf16 KV are bit-identical to the pages the
+decode engine would have written itself from the same values. Quantized (fp8 / int8) pages
+hold Hadamard-rotated K/V where the spec says so (`KVCacheSpec.hadamard`): a quantized payload
+is rotated back after decoding, and `store_kv` rotates what it writes into the receiver's
+rotated pages. Both ends run one build, so a quantized payload copied byte for byte is rotated
+on both sides or on neither; it is copied only when both sides' format and smoothing are the
+same, else decoded, unsmoothed and written again.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import dequantize_fp8_kv, store_kv
+from kernels import dequantize_kv, store_kv
 from kernels.hadamard import fwht
-from runtime.kv.cache import KVCache, KVCacheSpec, LayerKV, fp8_pages_rotated
-
-_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-            "fp8": torch.uint8}
+from runtime.formats import QUANTIZED_KV_FORMATS
+from runtime.kv.cache import STORAGE_DTYPES, KVCache, KVCacheSpec, LayerKV, quantized_pages_rotated
 
 
 def token_bytes_per_layer(fmt: str, num_kv_heads: int, head_dim: int) -> int:
-    """Payload bytes of one token in one layer: K and V, and their scales for fp8."""
-    elem = _STORAGE[fmt].itemsize
-    scales = 2 * 2 * num_kv_heads if fmt == "fp8" else 0
+    """Payload bytes of one token in one layer: K and V, and their scales for fp8 / int8."""
+    elem = STORAGE_DTYPES[fmt].itemsize
+    scales = 2 * 2 * num_kv_heads if fmt in QUANTIZED_KV_FORMATS else 0
     return 2 * num_kv_heads * head_dim * elem + scales
 
 
 def smoothing_bytes_per_layer(fmt: str, num_kv_heads: int, head_dim: int) -> int:
-    """Payload bytes of one layer's smoothing, whatever the token count (fp8 only)."""
-    return 3 * num_kv_heads * head_dim * 4 if fmt == "fp8" else 0
+    """Payload bytes of one layer's smoothing, whatever the token count (fp8 / int8 only)."""
+    return 3 * num_kv_heads * head_dim * 4 if fmt in QUANTIZED_KV_FORMATS else 0
 
 
 def _layer_smoothing(kv: LayerKV, heads: int, dim: int) -> list[torch.Tensor]:
@@ -81,7 +80,7 @@ def write_payload(cache: KVCache, payload: bytes, src_format: str, layers: tuple
     if len(payload) != per_layer * (layers[1] - layers[0]):
         raise ValueError(f"payload of {len(payload)} bytes for {n} tokens x "
                          f"{layers[1] - layers[0]} layers of {src_format}")
-    dtype = _STORAGE[src_format]
+    dtype = STORAGE_DTYPES[src_format]
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     data_bytes = heads * n * dim * dtype.itemsize
     scale_bytes = heads * n * 2
@@ -93,7 +92,7 @@ def write_payload(cache: KVCache, payload: bytes, src_format: str, layers: tuple
         off += 2 * data_bytes
         ks = vs = None
         smooth: list[torch.Tensor] | None = None
-        if src_format == "fp8":
+        if src_format in QUANTIZED_KV_FORMATS:
             ks = buf[off : off + scale_bytes].view(torch.bfloat16).view(heads, n)
             vs = buf[off + scale_bytes : off + 2 * scale_bytes].view(torch.bfloat16).view(heads, n)
             off += 2 * scale_bytes
@@ -119,10 +118,10 @@ def _write_layer(cache: KVCache, layer: int, src_format: str, k: torch.Tensor, v
             kv.k_scale.view(heads, -1).index_copy_(1, slots, ks.to(dev))
             kv.v_scale.view(heads, -1).index_copy_(1, slots, vs.to(dev))
         return
-    if src_format == "fp8":
+    if src_format in QUANTIZED_KV_FORMATS:
         assert ks is not None and vs is not None
-        kf, vf = dequantize_fp8_kv(k, ks), dequantize_fp8_kv(v, vs)
-        if fp8_pages_rotated(dim, spec.latent):  # the sender's pages held the rotated rows
+        kf, vf = dequantize_kv(k, ks), dequantize_kv(v, vs)
+        if quantized_pages_rotated(dim, spec.latent):  # the sender's pages held the rotated rows
             kf, vf = fwht(kf), fwht(vf)
         if smooth is not None:  # undo the sender's smoothing: [heads, tokens, dim]
             shift, k_div, v_div = (t[:, None] for t in smooth)

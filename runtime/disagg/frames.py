@@ -6,8 +6,8 @@ Torch-free. One transfer moves one request's KV from a prefill engine to a decod
                    token, first logical page sent (the decode side may hold the ones before)
     pages (seq 1..n): a layer range [lo, hi) and logical page positions, and a payload holding,
                    per layer, K then V of the valid tokens of those pages ([kv_heads, tokens,
-                   head_dim] in the sender's KV format; fp8 adds K then V scales, bf16
-                   [kv_heads, tokens])
+                   head_dim] in the sender's KV format; fp8 and int8 add K then V scales,
+                   bf16 [kv_heads, tokens], and the sender's smoothing)
     end (seq n+1): the number of page frames sent
 
 Positions are logical (page i of the request), never physical page ids: the receiver maps

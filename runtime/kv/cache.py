@@ -4,20 +4,22 @@ Layout per layer: [num_kv_heads, num_pages, page_size, head_dim]. Head-major kee
 head's context contiguous after a page gather, so decode attention is plain batched matmuls
 on CPU; GPU kernels index pages directly and do not care.
 
-FP8 (e4m3) pages hold the raw bytes as uint8 (index_copy_ and index_select work on them on
-every device) plus one bf16 scale per (token, KV head) in a parallel [kv_heads, pages,
-page_size] tensor: the scale lives beside its page, so a page is moved, verified or freed as
-one unit (see kernels/fp8.py for why per token per head). With `ROTATE_FP8_KV` (on), FP8 K/V
-pages of a power-of-two head_dim hold the Walsh-Hadamard rotation of each K and V vector
-(QuaRot's online Hadamard, `kernels/hadamard.py`): the same bytes, ~27% less KL divergence
-than the unrotated format on held-out text (ops/bench/RESULTS.md, issue 17); the attention
-kernels undo it. MLA latent pages are never rotated.
+The two 1-byte ("quantized") formats share one layout: FP8 (e4m3) pages hold the raw bytes as
+uint8 (index_copy_ and index_select work on them on every device), INT8 pages symmetric int8
+codes (kernels/int8.py), each plus one bf16 scale per (token, KV head) in a parallel
+[kv_heads, pages, page_size] tensor: the scale lives beside its page, so a page is moved,
+verified or freed as one unit (see kernels/fp8.py for why per token per head). The page dtype
+(uint8 or int8) is what tells the kernels which code grid to decode. With `ROTATE_FP8_KV` (on),
+quantized K/V pages of a power-of-two head_dim hold the Walsh-Hadamard rotation of each K and V
+vector (QuaRot's online Hadamard, `kernels/hadamard.py`): the same bytes, ~27% less KL
+divergence than the unrotated fp8 format on held-out text (ops/bench/RESULTS.md, issue 17); the
+attention kernels undo it. MLA latent pages are never rotated.
 
 MLA models (DeepSeek-V3) cache one latent vector per token and layer (kv_lora_rank normalised
 latent, then the roped qk_rope_head_dim key part) instead of K and V per head: the same layout
 with one "head" and no V tensor, [1, num_pages, page_size, latent_dim], the layout FlashMLA-style
 GPU kernels read (values are the latent's first kv_lora_rank elements). FP8 pages, scales (one
-per token), tags and the prefix cache apply to it unchanged.
+per token; int8 as fp8), tags and the prefix cache apply to it unchanged.
 """
 
 from __future__ import annotations
@@ -43,14 +45,17 @@ from runtime.kv.budget import auto_kv_cache_bytes
 # same inputs, tests/kernels/test_rotated_prefix.py). It is not a rotation bug.
 ROTATE_FP8_KV = True
 
-def fp8_pages_rotated(head_dim: int, latent: bool = False) -> bool:
-    """Whether FP8 pages of this head size hold Hadamard-rotated K and V (never MLA latents)."""
+def quantized_pages_rotated(head_dim: int, latent: bool = False) -> bool:
+    """Whether quantized (fp8 / int8) pages of this head size hold Hadamard-rotated K and V
+    (never MLA latents)."""
     return ROTATE_FP8_KV and not latent and kv_rotation_applies(head_dim)
 
 
-_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-            "fp8": torch.uint8}
-_LOGICAL = {**_STORAGE, "fp8": torch.float8_e4m3fn}
+fp8_pages_rotated = quantized_pages_rotated  # the name it had when fp8 was the only 1-byte format
+
+STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                  "fp8": torch.uint8, "int8": torch.int8}
+_LOGICAL = {**STORAGE_DTYPES, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -79,17 +84,22 @@ class KVCacheSpec:
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        return _STORAGE[self.format.name]
+        return STORAGE_DTYPES[self.format.name]
 
     @property
     def is_fp8(self) -> bool:
         return self.format.name == "fp8"
 
     @property
+    def quantized(self) -> bool:
+        """1-byte pages with a bf16 scale per (token, KV head): fp8 or int8."""
+        return self.format.quantized
+
+    @property
     def hadamard(self) -> bool:
-        """Whether pages hold Hadamard-rotated K and V (fp8 K/V pages, not MLA latent ones,
-        with a power-of-two head_dim)."""
-        return self.is_fp8 and fp8_pages_rotated(self.head_dim, self.latent)
+        """Whether pages hold Hadamard-rotated K and V (fp8 / int8 K/V pages, not MLA latent
+        ones, with a power-of-two head_dim)."""
+        return self.quantized and quantized_pages_rotated(self.head_dim, self.latent)
 
     @property
     def bytes_per_token(self) -> int:
@@ -108,10 +118,10 @@ class KVCacheSpec:
 
 
 class KeySmoothing(NamedTuple):
-    """Smoothing of fp8 K/V pages (calibrated by runtime/kv/smoothing.py), per (layer, KV head,
-    channel), float32 [layers, kv_heads, head_dim]: keys are stored as (k - shift) / scale and
-    queries read them as q * scale, so q.k moves by q.shift alone; values are stored as
-    v / v_scale and the attention output read as o * v_scale."""
+    """Smoothing of quantized (fp8 / int8) K/V pages (calibrated by runtime/kv/smoothing.py),
+    per (layer, KV head, channel), float32 [layers, kv_heads, head_dim]: keys are stored as
+    (k - shift) / scale and queries read them as q * scale, so q.k moves by q.shift alone;
+    values are stored as v / v_scale and the attention output read as o * v_scale."""
 
     shift: torch.Tensor
     scale: torch.Tensor
@@ -119,8 +129,8 @@ class KeySmoothing(NamedTuple):
 
 
 class LayerKV(NamedTuple):
-    """One layer's view of the cache. Scales are None unless the pages are fp8; `hadamard`
-    says the pages hold rotated vectors (pass it to the attention and store kernels)."""
+    """One layer's view of the cache. Scales are None unless the pages are fp8 or int8;
+    `hadamard` says the pages hold rotated vectors (pass it to the attention and store kernels)."""
 
     k: torch.Tensor  # [kv_heads, pages, page_size, head_dim]; MLA: [1, pages, page_size, latent]
     v: torch.Tensor | None  # None for MLA latent pages
@@ -146,10 +156,10 @@ class KVCache:
             self.v = _zeros(shape, spec.storage_dtype, device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
-        # fp8 K/V pages: keys stored as (k - shift) / scale, read by q * scale
+        # quantized K/V pages: keys stored as (k - shift) / scale, read by q * scale
         # (runtime/kv/smoothing.py: KeySmoothing, [layers, kv_heads, head_dim]); None: plain.
         self.key_smoothing: KeySmoothing | None = None
-        if spec.is_fp8:
+        if spec.quantized:
             self.k_scale = _zeros(shape[:-1], torch.bfloat16, device)
             if not spec.latent:
                 self.v_scale = _zeros(shape[:-1], torch.bfloat16, device)

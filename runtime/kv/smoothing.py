@@ -1,5 +1,5 @@
-"""Key smoothing for FP8 KV pages: a calibrated per-(layer, KV head, channel) key mean is
-subtracted from every key before it is rotated and quantized.
+"""Key smoothing for quantized (FP8 and INT8) KV pages: a calibrated per-(layer, KV head,
+channel) key mean is subtracted from every key before it is rotated and quantized.
 
 Softmax is shift-invariant per query: q.(k - mu) = q.k - q.mu, and q.mu is the same for every
 key a query attends to, so attention is unchanged exactly; only what e4m3 has to represent
@@ -24,8 +24,9 @@ from runtime.context import AttentionMetadata, ForwardContext, PrefillSlice, for
 from runtime.formats import KVFormat
 from runtime.kv.cache import KeySmoothing, KVCache, KVCacheSpec
 
-# NOTE: on for FP8 K/V pages (not MLA latents, not tensor-parallel engines): the quality gate's
-# numbers for it are in ops/bench/RESULTS.md (issue 17).
+# NOTE: on for FP8 and INT8 K/V pages (not MLA latents, not tensor-parallel engines), one
+# calibration for both formats: the quality gate's numbers for it are in ops/bench/RESULTS.md
+# (issue 17).
 SMOOTH_FP8_KEYS = True
 SCALE_FP8_KEYS = True
 SCALE_FP8_VALUES = True

@@ -12,7 +12,8 @@ from kernels.paged_attention import ref_paged_decode_attention
 from kernels.store_kv import ref_store_kv
 
 STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-           "fp8": torch.uint8}
+           "fp8": torch.uint8, "int8": torch.int8}
+QUANTIZED = ("fp8", "int8")  # 1-byte pages with a bf16 scale per (token, head)
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,10 @@ def ops():
 
 def _cache(fmt: str, kv_heads: int, pages: int, page_size: int, dim: int):
     shape = (kv_heads, pages, page_size, dim)
-    poison = 0x7E if fmt == "fp8" else 1e4  # a slot nobody wrote shows up as garbage
+    poison = 0x7E if fmt in QUANTIZED else 1e4  # a slot nobody wrote shows up as garbage
     k = torch.full(shape, poison, dtype=STORAGE[fmt])
     scales = (None, None)
-    if fmt == "fp8":
+    if fmt in QUANTIZED:
         scales = (torch.full(shape[:-1], 3.0, dtype=torch.bfloat16),
                   torch.full(shape[:-1], 3.0, dtype=torch.bfloat16))
     return k, k.clone(), *scales
@@ -52,7 +53,7 @@ def _filled(fmt, lengths, kv_heads, page_size, dim, seed, hadamard=False):
     return (k_cache, v_cache, k_scale, v_scale), table, gen
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", "fp8", "int8"])
 @pytest.mark.parametrize("heads,kv_heads,dim,page_size", [
     (9, 3, 64, 16), (4, 4, 32, 8), (6, 1, 80, 16), (12, 2, 17, 5), (2, 2, 128, 1),
 ])
@@ -66,12 +67,13 @@ def test_decode_op_matches_torch_twin(ops, fmt, heads, kv_heads, dim, page_size,
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("fmt", QUANTIZED)
 @pytest.mark.parametrize("heads,kv_heads,dim,page_size", [(9, 3, 64, 16), (2, 2, 128, 1),
                                                         (4, 1, 16, 5)])
 @pytest.mark.parametrize("lengths", [[1], [100, 1, 33, 64, 15]])
-def test_decode_op_reads_hadamard_rotated_pages_as_its_twin(ops, heads, kv_heads, dim,
+def test_decode_op_reads_hadamard_rotated_pages_as_its_twin(ops, fmt, heads, kv_heads, dim,
                                                              page_size, lengths):
-    cache, table, gen = _filled("fp8", lengths, kv_heads, page_size, dim, seed=dim,
+    cache, table, gen = _filled(fmt, lengths, kv_heads, page_size, dim, seed=dim,
                                 hadamard=True)
     q = torch.randn(len(lengths), heads, dim, generator=gen)
     lens = torch.tensor(lengths)
@@ -95,9 +97,10 @@ def test_decode_op_attends_only_to_each_sequences_own_context(ops):
 
 
 @pytest.mark.parametrize("bad", ["page_out_of_range", "negative_page", "zero_length",
-                                 "length_past_table", "fp8_without_scales"])
+                                 "length_past_table", "fp8_without_scales",
+                                 "int8_without_scales"])
 def test_decode_op_refuses_bad_input_with_a_clear_error(ops, bad):
-    fmt = "fp8" if bad == "fp8_without_scales" else "bf16"
+    fmt = bad.split("_")[0] if bad.endswith("without_scales") else "bf16"
     cache, table, gen = _filled(fmt, [20, 9], 3, 16, 64, seed=3)
     lens = torch.tensor([20, 9])
     q = torch.randn(2, 9, 64, generator=gen)
@@ -114,7 +117,7 @@ def test_decode_op_refuses_bad_input_with_a_clear_error(ops, bad):
         scales = (None, None)
     message = {"page_out_of_range": "page id out of range", "negative_page": "page id out of range",
                "zero_length": "context length", "length_past_table": "context length",
-               "fp8_without_scales": "need k_scale"}[bad]
+               "fp8_without_scales": "need k_scale", "int8_without_scales": "need k_scale"}[bad]
     with pytest.raises(RuntimeError, match=message):
         ops.paged_decode_attention(q, cache[0], cache[1], table, lens, 0.125, *scales)
 
@@ -131,47 +134,49 @@ def _awkward_rows(tokens: int, heads: int, dim: int, gen: torch.Generator) -> to
     return x
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", "fp8", "int8"])
 @pytest.mark.parametrize("tokens,heads,dim,page_size", [(1, 1, 64, 16), (7, 3, 64, 16),
                                                         (33, 2, 17, 5), (64, 4, 128, 8)])
 def test_store_op_writes_the_torch_twins_bytes(ops, fmt, tokens, heads, dim, page_size):
     gen = torch.Generator().manual_seed(tokens * dim)
     pages = -(-tokens // page_size) * 2 + 1
     x = _awkward_rows(tokens, heads, dim, gen)
-    if fmt != "fp8":
-        x = torch.nan_to_num(x, posinf=1e4, neginf=-1e4)  # casts keep NaN/inf; only fp8 maps them
+    if fmt not in QUANTIZED:  # casts keep NaN/inf; only the quantized formats map them
+        x = torch.nan_to_num(x, posinf=1e4, neginf=-1e4)
     slots = torch.randperm(pages * page_size, generator=gen)[:tokens]
     got = _cache(fmt, heads, pages, page_size, dim)
     want = _cache(fmt, heads, pages, page_size, dim)
     ops.store_kv_rows(x, got[0], slots, got[2])
     ref_store_kv(x, x.clone(), want[0], want[1], slots, want[2], want[3])
     assert torch.equal(got[0], want[0])
-    if fmt == "fp8":
+    if fmt in QUANTIZED:
         assert torch.equal(got[2], want[2])
 
 
+@pytest.mark.parametrize("fmt", QUANTIZED)
 @pytest.mark.parametrize("tokens,heads,dim,page_size", [(1, 1, 64, 16), (7, 3, 64, 16),
                                                         (33, 2, 16, 5), (64, 4, 128, 8)])
-def test_store_op_writes_the_twins_bytes_for_hadamard_rotated_rows(ops, tokens, heads, dim,
+def test_store_op_writes_the_twins_bytes_for_hadamard_rotated_rows(ops, fmt, tokens, heads, dim,
                                                                     page_size):
     gen = torch.Generator().manual_seed(tokens + dim)
     pages = -(-tokens // page_size) * 2 + 1
     x = _awkward_rows(tokens, heads, dim, gen)
     slots = torch.randperm(pages * page_size, generator=gen)[:tokens]
-    got = _cache("fp8", heads, pages, page_size, dim)
-    want = _cache("fp8", heads, pages, page_size, dim)
+    got = _cache(fmt, heads, pages, page_size, dim)
+    want = _cache(fmt, heads, pages, page_size, dim)
     ops.store_kv_rows(x, got[0], slots, got[2], hadamard=True)
     ref_store_kv(x, x.clone(), want[0], want[1], slots, want[2], want[3], hadamard=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     y = torch.randn(tokens, heads, dim, generator=gen)  # (x may be degenerate rows only)
-    rotated, plain = (_cache("fp8", heads, pages, page_size, dim) for _ in range(2))
+    rotated, plain = (_cache(fmt, heads, pages, page_size, dim) for _ in range(2))
     ops.store_kv_rows(y, rotated[0], slots, rotated[2], hadamard=True)
     ops.store_kv_rows(y, plain[0], slots, plain[2])
     assert not torch.equal(rotated[0], plain[0])
 
 
-def test_ops_refuse_a_hadamard_rotation_of_a_non_power_of_two_head(ops):
-    cache, table, gen = _filled("fp8", [5], 1, 4, 48, seed=1)
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_ops_refuse_a_hadamard_rotation_of_a_non_power_of_two_head(ops, fmt):
+    cache, table, gen = _filled(fmt, [5], 1, 4, 48, seed=1)
     q = torch.randn(1, 2, 48, generator=gen)
     with pytest.raises(RuntimeError, match="power-of-two"):
         ops.paged_decode_attention(q, cache[0], cache[1], table, torch.tensor([5]), 0.1,
@@ -181,8 +186,9 @@ def test_ops_refuse_a_hadamard_rotation_of_a_non_power_of_two_head(ops):
                           hadamard=True)
 
 
-def test_store_op_refuses_an_out_of_range_slot_and_writes_nothing(ops):
-    k_cache, _, k_scale, _ = _cache("fp8", 2, 3, 16, 64)
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_store_op_refuses_an_out_of_range_slot_and_writes_nothing(ops, fmt):
+    k_cache, _, k_scale, _ = _cache(fmt, 2, 3, 16, 64)
     before, scale_before = k_cache.clone(), k_scale.clone()
     x = torch.randn(4, 2, 64)
     with pytest.raises(RuntimeError, match="slot out of range"):

@@ -1,4 +1,5 @@
-"""Paged KV in fp32 / bf16 / fp8 pages: store, decode and prefill attention against references."""
+"""Paged KV in fp32 / bf16 / fp8 / int8 pages: store, decode and prefill attention against
+references."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kernels import (
     ref_paged_decode_attention,
     store_kv,
 )
+from kernels.int8 import dequantize_kv
 from kernels.kv_fp8 import ref_gather_e4m3_rows
 
 HEADS, KV_HEADS, DIM, PAGE = 6, 2, 64, 16
@@ -22,11 +24,13 @@ HEADS, KV_HEADS, DIM, PAGE = 6, 2, 64, 16
 
 def _pages(num_pages: int, fmt: str) -> tuple[torch.Tensor, ...]:
     shape = (KV_HEADS, num_pages, PAGE, DIM)
-    storage = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}[fmt]
+    storage = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8,
+               "int8": torch.int8}[fmt]
+    quantized = fmt in ("fp8", "int8")
     # NOTE: poisoned, not zeroed: a slot the kernels forget to write shows up as garbage.
-    k = torch.full(shape, 0x7E if fmt == "fp8" else 1e4, dtype=storage)
+    k = torch.full(shape, 0x7E if quantized else 1e4, dtype=storage)
     v = k.clone()
-    if fmt != "fp8":
+    if not quantized:
         return k, v, None, None
     return k, v, torch.full(shape[:-1], 3.0, dtype=torch.bfloat16), \
         torch.full(shape[:-1], 3.0, dtype=torch.bfloat16)
@@ -68,7 +72,10 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return (probs @ vv).reshape(-1)
 
 
-@pytest.mark.parametrize("fmt,tol", [("fp32", 1e-5), ("bf16", 3e-2), ("fp8", 1.5e-1)])
+# int8 keeps 255 uniform levels over a row's amax: ~1/2 of a level (amax / 254) per element,
+# ~8x finer than e4m3's 3 mantissa bits near amax
+@pytest.mark.parametrize("fmt,tol", [("fp32", 1e-5), ("bf16", 3e-2), ("fp8", 1.5e-1),
+                                     ("int8", 5e-2)])
 @pytest.mark.parametrize("lengths", [[1], [5, 16, 17], [33, 7, 64, 100]])
 def test_decode_attention_matches_dense_attention_within_format_error(fmt, tol, lengths):
     cache, tables, written = _fill(lengths, fmt)
@@ -81,20 +88,24 @@ def test_decode_attention_matches_dense_attention_within_format_error(fmt, tol, 
         torch.testing.assert_close(out[i], want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("lengths", [[3, 40], [17, 1, 90]])
-def test_fp8_decode_equals_attention_over_dequantized_pages(lengths):
+def test_quantized_decode_equals_attention_over_dequantized_pages(fmt, lengths):
     """Folding the per-token scales into scores and probabilities is exact up to rounding."""
-    cache, tables, _ = _fill(lengths, "fp8", seed=1)
+    cache, tables, _ = _fill(lengths, fmt, seed=1)
     table, lens = _decode_inputs(lengths, tables)
     q = torch.randn(len(lengths), HEADS, DIM)
     out = paged_decode_attention(q, cache[0], cache[1], table, lens, DIM**-0.5, *cache[2:])
-    k_deq = dequantize_fp8_kv(cache[0].view(torch.float8_e4m3fn), cache[2])
-    v_deq = dequantize_fp8_kv(cache[1].view(torch.float8_e4m3fn), cache[3])
+    k_deq, v_deq = dequantize_kv(cache[0], cache[2]), dequantize_kv(cache[1], cache[3])
+    if fmt == "fp8":  # the e4m3 helpers agree with the format-generic one
+        assert torch.equal(k_deq, dequantize_fp8_kv(cache[0].view(torch.float8_e4m3fn),
+                                                    cache[2]))
     want = ref_paged_decode_attention(q, k_deq, v_deq, table, lens, DIM**-0.5)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fmt,tol", [("fp32", 1e-5), ("bf16", 3e-2), ("fp8", 1.5e-1)])
+@pytest.mark.parametrize("fmt,tol", [("fp32", 1e-5), ("bf16", 3e-2), ("fp8", 1.5e-1),
+                                     ("int8", 5e-2)])
 def test_prefill_attention_with_history_matches_dense(fmt, tol):
     n, start = 45, 20  # the chunk is tokens [20, 45); the first 20 are history
     cache, tables, written = _fill([n], fmt, seed=2)
@@ -125,8 +136,9 @@ def test_every_e4m3_gather_path_is_bit_exact_for_every_finite_byte(path, monkeyp
     assert torch.equal(kv_fp8.gather_e4m3_rows(flat, rows), want)
 
 
-def test_fp8_pages_survive_outliers_nan_and_inf():
-    cache, tables, _ = _fill([20], "fp8", seed=3)
+@pytest.mark.parametrize("fmt,rel", [("fp8", 0.07), ("int8", 0.01)])
+def test_quantized_pages_survive_outliers_nan_and_inf(fmt, rel):
+    cache, tables, _ = _fill([20], fmt, seed=3)
     k = torch.randn(4, KV_HEADS, DIM)
     k[0, 0, 0] = 3e4  # an outlier 10^4 x the rest
     k[1, 1, :] = 0.0
@@ -135,10 +147,10 @@ def test_fp8_pages_survive_outliers_nan_and_inf():
     slots = torch.tensor([tables[0][0] * PAGE + i for i in range(4)])
     store_kv(k, k.clone(), cache[0], cache[1], slots, cache[2], cache[3])
     for data, scale in ((cache[0], cache[2]), (cache[1], cache[3])):
-        deq = dequantize_fp8_kv(data.view(torch.float8_e4m3fn), scale)
+        deq = dequantize_kv(data, scale)
         assert torch.isfinite(deq).all()
         got = deq[:, tables[0][0], :4].transpose(0, 1)  # [4, kv_heads, dim]
-        assert got[0, 0, 0] == pytest.approx(3e4, rel=0.07)
+        assert got[0, 0, 0] == pytest.approx(3e4, rel=rel)
         assert torch.equal(got[1, 1], torch.zeros(DIM))
     table, lens = _decode_inputs([20], tables)
     out = paged_decode_attention(torch.randn(1, HEADS, DIM), cache[0], cache[1], table, lens,

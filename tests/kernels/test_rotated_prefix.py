@@ -1,6 +1,6 @@
-"""Rotated FP8 KV under a prefix-cache hit, op by op: the cached pages are written once by a
-whole prefill, and the uncached tail of the same prompt is then stored and attended the way
-the engine does it (a masked prefill chunk, or the decode op when one token remains), on the
+"""Rotated FP8 and INT8 KV under a prefix-cache hit, op by op: the cached pages are written
+once by a whole prefill, and the uncached tail of the same prompt is then stored and attended
+the way the engine does it (a masked prefill chunk, or the decode op when one token remains), on the
 C++ ops and on their torch twins. Given the same K/V inputs, the tail's outputs are the whole
 prefill's rows (the rotation is the same on every path); what an engine-level prefix hit adds
 is only the re-quantization of the tail's K/V, which `test_scale_tie_*` shows is discontinuous.
@@ -42,9 +42,12 @@ def _case(tokens: int, seed: int):
     return q, k, v
 
 
-def _empty_pages(num_pages: int):
+PAGE_DTYPES = {"fp8": torch.uint8, "int8": torch.int8}
+
+
+def _empty_pages(num_pages: int, fmt: str = "fp8"):
     shape = (KV_HEADS, num_pages, PAGE, DIM)
-    kc = torch.full(shape, 0x7E, dtype=torch.uint8)  # poisoned: NaN-like bytes, never read
+    kc = torch.full(shape, 0x7E, dtype=PAGE_DTYPES[fmt])  # poisoned: garbage codes, never read
     ks = torch.full(shape[:-1], 3.0, dtype=torch.bfloat16)
     return kc, kc.clone(), ks, ks.clone()
 
@@ -54,17 +57,18 @@ def _slots(page_ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return page_ids[pos // PAGE] * PAGE + pos % PAGE
 
 
+@pytest.mark.parametrize("fmt", sorted(PAGE_DTYPES))
 @pytest.mark.parametrize("use_native", [True, False], ids=["cpp", "twin"])
 @pytest.mark.parametrize("hadamard", [True, False], ids=["rotated", "plain"])
 @pytest.mark.parametrize("remaining", [1, 2, 5])
-def test_prefix_hit_tail_reads_what_a_whole_prefill_reads(use_native, hadamard, remaining):
+def test_prefix_hit_tail_reads_what_a_whole_prefill_reads(fmt, use_native, hadamard, remaining):
     store, prefill, decode = _paths(use_native)
     tokens = CACHED + remaining
     q, k, v = _case(tokens, seed=remaining)
     scale = DIM**-0.5
     # whole prefill: every token stored in one call, then causal attention over all of them
     page_ids = torch.tensor([4, 1, 6, 2])  # out of order, as the pool hands pages out
-    kc, vc, ks, vs = _empty_pages(8)
+    kc, vc, ks, vs = _empty_pages(8, fmt)
     store(k, v, kc, vc, _slots(page_ids, 0, tokens), ks, vs, hadamard)
     whole = prefill(q, kc, vc, page_ids, tokens, None, scale, ks, vs, hadamard)
     # prefix hit: the cached pages as that prefill left them, the tail stored in a fresh page
@@ -91,9 +95,10 @@ def _smoothing(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             torch.rand(KV_HEADS, DIM, generator=gen) * 2 + 0.3)
 
 
+@pytest.mark.parametrize("fmt", sorted(PAGE_DTYPES))
 @pytest.mark.parametrize("smoothed", [True, False], ids=["smoothed", "unsmoothed"])
 @pytest.mark.parametrize("hadamard", [True, False], ids=["rotated", "plain"])
-def test_cpp_and_twin_store_the_same_bytes_and_read_the_same_attention(hadamard, smoothed):
+def test_cpp_and_twin_store_the_same_bytes_and_read_the_same_attention(fmt, hadamard, smoothed):
     if native() is None:
         pytest.skip("no C++ toolchain: nothing to compare the twins with")
     tokens = CACHED + 3
@@ -102,7 +107,7 @@ def test_cpp_and_twin_store_the_same_bytes_and_read_the_same_attention(hadamard,
     page_ids = torch.tensor([4, 1, 6, 2])
     caches = []
     for store in (store_kv, ref_store_kv):
-        kc, vc, ks, vs = _empty_pages(8)
+        kc, vc, ks, vs = _empty_pages(8, fmt)
         store(k, v, kc, vc, _slots(page_ids, 0, tokens), ks, vs, hadamard, shift, k_div, v_div)
         caches.append((kc, vc, ks, vs))
     for a, b in zip(*caches, strict=True):
@@ -119,8 +124,10 @@ def test_cpp_and_twin_store_the_same_bytes_and_read_the_same_attention(hadamard,
     torch.testing.assert_close(whole[-1:], got, atol=1e-5, rtol=1e-5)
 
 
-def test_smoothed_fp8_attention_is_attention_over_the_original_keys_and_values():
+@pytest.mark.parametrize("fmt", sorted(PAGE_DTYPES))
+def test_smoothed_quantized_attention_is_attention_over_the_original_keys_and_values(fmt):
     """(k - shift) / s read by q * s, v / t read back times t: the float32 answer up to e4m3
+    or int8
     (a missing factor anywhere gives a relative error near 1); the keys' mean as the shift
     halves the error on keys with a constant part."""
     tokens = CACHED + 3
@@ -132,7 +139,7 @@ def test_smoothed_fp8_attention_is_attention_over_the_original_keys_and_values()
     exact = ref_paged_prefill_attention(q, *exact_pages, page_ids, tokens, None, DIM**-0.5)
 
     def error(shift, k_div, v_div) -> float:
-        kc, vc, ks, vs = _empty_pages(8)
+        kc, vc, ks, vs = _empty_pages(8, fmt)
         store_kv(k, v, kc, vc, _slots(page_ids, 0, tokens), ks, vs, True, shift, k_div, v_div)
         got = paged_prefill_attention(q, kc, vc, page_ids, tokens, None, DIM**-0.5, ks, vs,
                                       True, k_div, v_div)

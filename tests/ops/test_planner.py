@@ -98,10 +98,11 @@ def test_int4_weights_carry_a_bf16_scale_per_group_and_asym_a_4bit_zero(group):
     assert asym.zeros == groups // 2 and asym.total == sym.total + groups // 2
 
 
-def test_kv_fp8_costs_one_bf16_scale_per_token_and_head():
-    assert KVFormat("fp8").gqa_bytes_per_token_layer(8, 128) == 2 * 8 * (128 + 2)
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_kv_1_byte_formats_cost_one_bf16_scale_per_token_and_head(fmt):
+    assert KVFormat(fmt).gqa_bytes_per_token_layer(8, 128) == 2 * 8 * (128 + 2)
     assert KVFormat("bf16").gqa_bytes_per_token_layer(8, 128) == 2 * 8 * 128 * 2
-    assert KVFormat("fp8").latent_bytes_per_token_layer(576) == 576 + 2
+    assert KVFormat(fmt).latent_bytes_per_token_layer(576) == 576 + 2
 
 
 def test_unknown_formats_are_refused_by_name():
@@ -133,6 +134,16 @@ def test_json_has_the_fields_and_a_breakdown_that_adds_up():
     assert breakdown["attention"]["formats"] == ["bf16"]
     assert out["kv_bytes_per_token"] == 79 * (576 + 2) + 79 * (128 + 2)
     assert out["kv_capacity_tokens"] % 16 == 0 and out["fits"] is True
+
+
+def test_int8_kv_plans_the_bytes_of_fp8_and_says_what_it_carries():
+    args = (str(CONFIGS / "glm5.json"), "--device-memory-gb", "141", "--tp", "8")
+    fp8 = plan_json(*args, "--kv-cache-dtype", "fp8")
+    int8 = plan_json(*args, "--kv-cache-dtype", "int8")
+    assert int8["kv_bytes_per_token"] == fp8["kv_bytes_per_token"]
+    assert int8["kv_capacity_tokens"] == fp8["kv_capacity_tokens"]
+    assert any("int8 symmetric KV carries one bf16 scale per token" in a
+               for a in int8["assumptions"])
 
 
 def test_asymmetric_int4_counts_zero_points():

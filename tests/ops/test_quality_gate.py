@@ -22,6 +22,12 @@ def test_gate_file_names_a_held_out_text_and_thresholds_per_format():
         assert 0 < spec["kl"] < 0.1 and 0.5 < spec["top1"] < 1
 
 
+def test_every_1_byte_kv_format_is_gated_and_int8_more_tightly_than_fp8():
+    formats = {spec["config"]: spec for spec in GATE["formats"].values()}
+    fp8, int8 = formats["kv_cache_dtype=fp8"], formats["kv_cache_dtype=int8"]
+    assert int8["kl"] < fp8["kl"] and int8["top1"] > fp8["top1"]
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("name", sorted(GATE["formats"]))

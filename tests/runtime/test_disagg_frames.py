@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels import store_kv
+from kernels import dequantize_kv, store_kv
 from kernels.hadamard import fwht
 from runtime.disagg import frames as wire
 from runtime.disagg.codec import (
@@ -115,13 +115,15 @@ def _fill(cache: KVCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 @pytest.mark.parametrize(("src", "dst"), [("fp32", "fp32"), ("bf16", "bf16"), ("fp8", "fp8"),
                                           ("fp32", "fp8"), ("bf16", "fp8"), ("fp32", "bf16"),
-                                          ("fp8", "fp32"), ("fp8", "bf16")])
+                                          ("fp8", "fp32"), ("fp8", "bf16"), ("int8", "int8"),
+                                          ("fp32", "int8"), ("bf16", "int8"), ("int8", "fp32"),
+                                          ("int8", "bf16")])
 def test_import_equals_the_decode_side_writing_the_same_values_itself(src, dst):
     src_slots = torch.tensor([5, 6, 7, 8, 9, 12, 13])  # odd count, across pages
     dst_slots = torch.tensor([20, 21, 22, 23, 0, 1, 2])
     sender, receiver, reference = _cache(src), _cache(dst), _cache(dst)
     for c in (receiver, reference):  # poison: an unwritten slot shows up
-        c.k.fill_(0x7F if c.spec.is_fp8 else float("nan"))
+        c.k.fill_(0x7F if c.spec.quantized else float("nan"))
     _fill(sender, src_slots)
     payload = gather_payload(sender, (0, 3), src_slots)
     assert len(payload) == 3 * (7 * token_bytes_per_layer(src, 2, 8)
@@ -132,11 +134,9 @@ def test_import_equals_the_decode_side_writing_the_same_values_itself(src, dst):
         s, r = sender.layer(layer), reference.layer(layer)
         k = s.k.view(2, -1, 8)[:, src_slots]
         v = s.v.view(2, -1, 8)[:, src_slots]
-        if src == "fp8":
-            from kernels import dequantize_fp8_kv
-
-            k = dequantize_fp8_kv(k, s.k_scale.view(2, -1)[:, src_slots])
-            v = dequantize_fp8_kv(v, s.v_scale.view(2, -1)[:, src_slots])
+        if sender.spec.quantized:
+            k = dequantize_kv(k, s.k_scale.view(2, -1)[:, src_slots])
+            v = dequantize_kv(v, s.v_scale.view(2, -1)[:, src_slots])
             if s.hadamard:  # rotated pages: the values they stand for
                 k, v = fwht(k), fwht(v)
         if src == dst:  # same format: byte copies
@@ -155,7 +155,7 @@ def test_import_equals_the_decode_side_writing_the_same_values_itself(src, dst):
 
 
 def _smoothed(cache: KVCache, seed: int) -> KVCache:
-    if cache.spec.is_fp8:
+    if cache.spec.quantized:
         gen = torch.Generator().manual_seed(seed)
         cache.key_smoothing = KeySmoothing(torch.randn(3, 2, 8, generator=gen) * 4,
                                            torch.rand(3, 2, 8, generator=gen) + 0.5,
@@ -163,18 +163,19 @@ def _smoothed(cache: KVCache, seed: int) -> KVCache:
     return cache
 
 
-@pytest.mark.parametrize(("src", "dst"), [("fp8", "fp32"), ("fp32", "fp8"), ("fp8", "fp8")])
+@pytest.mark.parametrize(("src", "dst"), [("fp8", "fp32"), ("fp32", "fp8"), ("fp8", "fp8"),
+                                          ("int8", "fp32"), ("fp32", "int8"), ("int8", "int8")])
 @pytest.mark.parametrize("smoothing", ["none", "same", "different"])
 def test_imported_kv_reads_back_as_the_values_the_sender_wrote(src, dst, smoothing):
-    """Through rotated (and smoothed) FP8 pages on either side: what the receiver's attention
-    would read (pages decoded, rotated back, smoothing undone) is the sender's K/V within e4m3
-    rounding, never a rotated or shifted copy."""
+    """Through rotated (and smoothed) FP8 or INT8 pages on either side: what the receiver's
+    attention would read (pages decoded, rotated back, smoothing undone) is the sender's K/V
+    within e4m3 / int8 rounding, never a rotated or shifted copy."""
     src_slots, dst_slots = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([12, 13, 14, 15, 0])
     sender, receiver = _cache(src), _cache(dst)
     if smoothing != "none":
         _smoothed(sender, 0)
         _smoothed(receiver, 0 if smoothing == "same" else 1)
-    assert sender.spec.hadamard or receiver.spec.hadamard  # rotation is on for fp8 pages
+    assert sender.spec.hadamard or receiver.spec.hadamard  # rotation is on for 1-byte pages
     ks, vs = _fill(sender, src_slots)
     write_payload(receiver, gather_payload(sender, (0, 3), src_slots), src, (0, 3), dst_slots)
     for layer in range(3):
@@ -182,9 +183,7 @@ def test_imported_kv_reads_back_as_the_values_the_sender_wrote(src, dst, smoothi
         for want, pages, scale in ((ks[layer], kv.k, kv.k_scale), (vs[layer], kv.v, kv.v_scale)):
             got = pages.view(2, -1, 8)[:, dst_slots]
             if scale is not None:
-                from kernels import dequantize_fp8_kv
-
-                got = dequantize_fp8_kv(got, scale.view(2, -1)[:, dst_slots])
+                got = dequantize_kv(got, scale.view(2, -1)[:, dst_slots])
                 got = fwht(got) if kv.hadamard else got
                 if kv.k_shift is not None:  # undo the receiver's own smoothing
                     if pages is kv.k:
@@ -196,7 +195,9 @@ def test_imported_kv_reads_back_as_the_values_the_sender_wrote(src, dst, smoothi
                                            for c in (sender, receiver)
                                            if c.key_smoothing is not None and pages is kv.k)
             err = (got.transpose(0, 1) - want).norm(dim=-1) / size
-            assert float(err.max()) < 0.1  # e4m3 (3 mantissa bits); a rotated copy: ~1
+            # e4m3 (3 mantissa bits) < 0.1, int8 (both ends int8 or float) < 0.02; a rotated
+            # copy: ~1
+            assert float(err.max()) < (0.1 if "fp8" in (src, dst) else 0.02)
 
 
 def test_import_refuses_a_payload_of_the_wrong_size():

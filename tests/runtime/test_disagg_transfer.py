@@ -137,6 +137,61 @@ def test_fp8_decode_side_matches_colocated_fp8(engine, fp8_engine, monkeypatch):
     assert len(report) <= len(prompts) // 2
 
 
+@pytest.fixture(scope="module")
+def bf16_llm(one_torch_thread):
+    """A prefill-side engine with BF16 KV, as a disaggregated prefill pool runs."""
+    return LLM(kv_cache_bytes=26 << 20, max_num_seqs=16, kv_cache_dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def int8_llm(one_torch_thread):
+    """A decode-side engine with INT8 KV (rotated and smoothed as FP8; the same 400 pages)."""
+    return LLM(kv_cache_bytes=26 << 20, max_num_seqs=16, kv_cache_dtype="int8")
+
+
+def test_int8_decode_side_matches_colocated_int8(bf16_llm, int8_llm, monkeypatch):
+    """Prefill over BF16 KV, decode over INT8 KV quantized and rotated at import (the bytes a
+    decode engine writes itself from those values: test_disagg_frames.py), vs colocated INT8.
+    Where the tokens part, the colocated run's logits show a near tie."""
+    prefill, decode = bf16_llm.engine, int8_llm.engine
+    assert decode.kv_cache.spec.hadamard and decode.kv_cache.key_smoothing is not None
+    prompts = _ids(prefill, "int8")
+    local = LocalTransfer(prefill, decode)
+    got = local.generate(prompts, GREEDY)
+    logits = capture_logits(decode, monkeypatch)
+    want = _colocated(decode, prompts)
+    assert all(r.error is None for r in got.values())
+    assert local.imported.transfers == len(prompts) and local.imported.failures == {}
+    report = {}
+    for rid in prompts:
+        a, b = got[rid].token_ids, want[rid]
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if i is None:
+            continue
+        row = logits["colo-" + rid][i]
+        gap = float(row[b[i]] - row[a[i]])
+        report[rid] = (i, round(gap, 3))
+        assert 0 <= gap < 1.0, (rid, i, gap)  # the disaggregated pick was a close second
+    print(f"\nbf16 -> int8 import vs colocated int8: {len(prompts) - len(report)}/{len(prompts)} "
+          f"identical over {GREEDY.max_tokens} tokens; (first divergence, logit gap): {report}")
+    assert len(report) <= len(prompts) // 4
+    for engine in (prefill, decode):
+        engine.check_quiescent()
+
+
+def test_int8_to_int8_transfer_copies_bytes_and_scales(int8_llm):
+    """INT8 frames carry the codes and scales: an int8 -> int8 transfer is token-identical to
+    colocated INT8 (the same pages, byte for byte)."""
+    engine = int8_llm.engine
+    prompts = dict(list(_ids(engine, "i8i8").items())[:3])
+    local = LocalTransfer(engine, engine)
+    got = local.generate(prompts, GREEDY)
+    want = _colocated(engine, prompts)
+    assert {rid: r.token_ids for rid, r in got.items()} == want
+    assert local.imported.bytes == local.exported.bytes > 0
+    engine.check_quiescent()
+
+
 def test_corrupted_frame_aborts_that_request_only(engine, fp8_engine):
     prompts = dict(list(_ids(engine, "corrupt").items())[:3])
     victim = list(prompts)[1]

@@ -44,11 +44,13 @@ def _attend(fmt: str, smoothing: KeySmoothing | None, q, k, v) -> torch.Tensor:
     return torch.cat([first, last])
 
 
-def test_smoothed_fp8_layer_reads_what_it_was_given_and_the_mean_shift_helps():
-    """Through PagedAttention (a prefill, then a decode step, both reading rotated fp8 pages):
-    with any channel scales the output is exact attention up to e4m3 (a factor dropped on the
-    way gives errors near 1); keys with a large per-channel constant, as the real model's
-    low-frequency RoPE channels hold, lose most of their error with the mean subtracted."""
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_smoothed_quantized_layer_reads_what_it_was_given_and_the_mean_shift_helps(fmt):
+    """Through PagedAttention (a prefill, then a decode step, both reading rotated fp8 or int8
+    pages): with any channel scales the output is exact attention up to the format's rounding
+    (a factor dropped on the way gives errors near 1); keys with a large per-channel constant,
+    as the real model's low-frequency RoPE channels hold, lose most of their error with the
+    mean subtracted."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(41, HEADS, DIM, generator=gen)
     offset = torch.zeros(DIM)
@@ -61,11 +63,11 @@ def test_smoothed_fp8_layer_reads_what_it_was_given_and_the_mean_shift_helps():
     scales = [torch.rand(1, KV_HEADS, DIM, generator=gen) * 2 + 0.5 for _ in range(2)]
 
     def error(smoothing: KeySmoothing | None) -> float:
-        return float((_attend("fp8", smoothing, q, k, v) - exact).norm() / exact.norm())
+        return float((_attend(fmt, smoothing, q, k, v) - exact).norm() / exact.norm())
 
     plain = error(None)
     assert error(KeySmoothing(mean, ones, ones)) < 0.8 * plain
-    assert error(KeySmoothing(mean, *scales)) < 0.1
+    assert error(KeySmoothing(mean, *scales)) < (0.1 if fmt == "fp8" else 0.02)
 
 
 def test_calibration_text_is_pydoc_not_the_held_out_text():
@@ -91,3 +93,7 @@ def test_fp8_engine_calibrates_smoothing_and_other_formats_do_not(default_model_
     assert (ks.scale > 0).all() and (ks.v_scale > 0).all()
     bf16 = LLM(kv_cache_bytes=8 << 20, kv_cache_dtype="bf16", gguf_weights="dequantize")
     assert bf16.engine.kv_cache.key_smoothing is None
+    # int8 pages: the one calibration, reused as it is (the same model, the same windows)
+    int8 = LLM(kv_cache_bytes=8 << 20, kv_cache_dtype="int8", gguf_weights="dequantize")
+    for a, b in zip(int8.engine.kv_cache.key_smoothing, ks, strict=True):
+        assert torch.equal(a, b)

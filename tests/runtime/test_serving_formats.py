@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from runtime.config import EngineConfig
 from runtime.errors import InvalidArgument
@@ -40,6 +41,9 @@ def test_group_size_does_not_split_identical_dense_formats():
     ({"prefill_weights": "int4", "decode_weights": "bf16"}, "prefill_weights"),
     ({"prefill_weights": "fp8", "decode_weights": "bf16"}, "prefill_weights"),
     ({"prefill_kv_cache_dtype": "fp8", "kv_cache_dtype": "bf16"}, "prefill_kv_cache_dtype"),
+    ({"prefill_kv_cache_dtype": "int8", "kv_cache_dtype": "bf16"}, "prefill_kv_cache_dtype"),
+    ({"prefill_kv_cache_dtype": "fp8", "kv_cache_dtype": "int8"}, "prefill_kv_cache_dtype"),
+    ({"prefill_kv_cache_dtype": "int8", "kv_cache_dtype": "fp8"}, "prefill_kv_cache_dtype"),
     ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
     ({"decode_weights": "int3"}, "weights"),
     ({"decode_weights": "int4", "group_size": 48}, "int4_group_size"),
@@ -49,6 +53,15 @@ def test_senseless_combinations_are_refused_with_the_reason(kwargs, field):
         ServingFormats.resolve("bfloat16", **kwargs)
     assert e.value.metadata["field"] == field
     assert len(e.value.message) > 30
+
+
+@pytest.mark.parametrize("prefill_kv", ["auto", "int8", "bf16", "fp32"])
+def test_int8_kv_is_a_decode_format_that_any_wider_prefill_kv_feeds(prefill_kv):
+    f = ServingFormats.resolve("float32", kv_cache_dtype="int8",
+                               prefill_kv_cache_dtype=prefill_kv)
+    assert f.kv == KVFormat("int8") and f.kv.quantized
+    assert f.prefill.kv.name == ("int8" if prefill_kv == "auto" else prefill_kv)
+    assert f.describe()["decode"]["kv_cache_dtype"] == "int8"
 
 
 def test_dense_weights_other_than_the_compute_dtype_are_refused():
@@ -86,11 +99,27 @@ def test_engine_config_rejects_unknown_format_names_before_loading_anything():
         EngineConfig(decode_weights="int4", weight_group_size=100)
 
 
-def test_fp8_pages_hold_at_least_1_9x_the_tokens_of_bf16_in_the_same_bytes(default_model_path):
+def test_quantized_pages_hold_at_least_1_9x_the_tokens_of_bf16_in_the_same_bytes(
+        default_model_path):
     from runtime.loader import open_checkpoint
 
     config = open_checkpoint(default_model_path).config
     budget = 256 << 20
     tokens = {fmt: KVCacheSpec.for_model(config, 16, KVFormat(fmt)).pages_in(budget) * 16
-              for fmt in ("bf16", "fp8")}
+              for fmt in ("bf16", "fp8", "int8")}
     assert tokens["fp8"] / tokens["bf16"] >= 1.9, tokens
+    assert tokens["int8"] == tokens["fp8"], tokens  # the same bytes per token
+
+
+def test_int8_pages_are_int8_with_a_bf16_scale_per_token_and_head_rotated_like_fp8():
+    from runtime.kv.cache import KVCache
+
+    fp8, int8 = (KVCacheSpec(2, 3, 64, 16, KVFormat(f)) for f in ("fp8", "int8"))
+    assert int8.storage_dtype == int8.dtype == torch.int8 and fp8.storage_dtype == torch.uint8
+    assert int8.quantized and not int8.is_fp8 and int8.hadamard == fp8.hadamard is True
+    assert int8.bytes_per_token == fp8.bytes_per_token == 2 * 2 * 3 * (64 + 2)
+    assert not KVCacheSpec(2, 3, 48, 16, KVFormat("int8")).hadamard  # not a power of two
+    cache = KVCache(int8, 4, "cpu")
+    assert cache.k.dtype == torch.int8 and cache.k_scale.dtype == torch.bfloat16
+    assert cache.k_scale.shape == cache.k.shape[:-1] and cache.num_bytes == 4 * int8.bytes_per_page
+    assert cache.layer(1).hadamard
