@@ -93,7 +93,15 @@ def test_corrupted_page_mid_stream_is_kv_integrity_violation(two_workers) -> Non
     wait_for(lambda: requests_drained(two_workers), 30, "the aborted request's pages")
 
 
+def requests_total(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    labels = {"model": MODEL, "reason": reason}
+    return REGISTRY.get_sample_value("tessera_gateway_requests_total", labels) or 0.0
+
+
 def test_client_deadline_is_deadline_exceeded_and_frees_the_request(two_workers) -> None:
+    before = {r: requests_total(r) for r in ("DEADLINE_EXCEEDED", "CANCELLED")}
     with client_for(two_workers) as c:
         start = time.monotonic()
         stream = c.generate("Count:", max_tokens=600, ignore_eos=True, timeout_s=1.0)
@@ -102,17 +110,24 @@ def test_client_deadline_is_deadline_exceeded_and_frees_the_request(two_workers)
     assert elapsed_s < 10, "the deadline ended the call, not the 600 tokens"
     assert len(stream.token_ids) < 600 and stream.usage is None
     wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
+    wait_for(lambda: requests_total("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"] + 1, 10,
+             "the gateway to count the request DEADLINE_EXCEEDED")
+    assert requests_total("CANCELLED") == before["CANCELLED"]
 
 
 def test_client_cancel_is_cancelled_and_frees_the_request(two_workers) -> None:
+    before = {r: requests_total(r) for r in ("DEADLINE_EXCEEDED", "CANCELLED")}
     with client_for(two_workers) as c:
-        stream = c.generate("Count:", max_tokens=600, ignore_eos=True)
+        stream = c.generate("Count:", max_tokens=600, ignore_eos=True, timeout_s=60)
         chunks = iter(stream)
         next(chunks), next(chunks)
         stream.cancel()
         with pytest.raises(RequestCancelled):
             next(chunks)
     wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
+    wait_for(lambda: requests_total("CANCELLED") == before["CANCELLED"] + 1, 10,
+             "the gateway to count the request CANCELLED")
+    assert requests_total("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"]
 
 
 def test_full_pool_is_overloaded_with_a_retry_hint(two_workers) -> None:
