@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
-from runtime.errors import InvalidArgument
+from runtime.errors import InvalidArgument, bounded
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.structured_output import StructuredOutput
@@ -83,7 +83,35 @@ def sampling_options(**kwargs: Any) -> pb.SamplingOptions:
         fields["structured_output"] = structured_output_message(fields["structured_output"])
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
-    return pb.SamplingOptions(**fields)
+    return build_message(pb.SamplingOptions, fields)
+
+
+def build_message(cls: Any, fields: dict[str, Any]) -> Any:
+    """SDK side: `cls(**fields)`, a value the wire type cannot hold (a negative or too large
+    integer, a wrong type) raising InvalidArgument naming its field, as the server would."""
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError):
+        pass
+    for name, value in fields.items():
+        try:
+            cls(**{name: value})
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"{name}: {_wire_error(cls, name, value, e)}",
+                                  field=name) from None
+    return cls(**fields)  # NOTE: only a combination failed; let protobuf say why
+
+
+def _wire_error(cls: Any, name: str, value: Any, error: Exception) -> str:
+    field = cls.DESCRIPTOR.fields_by_name.get(name)
+    bounds = {field.TYPE_UINT32: (0, 2**32 - 1), field.TYPE_UINT64: (0, 2**64 - 1),
+              field.TYPE_INT32: (-(2**31), 2**31 - 1), field.TYPE_INT64: (-(2**63), 2**63 - 1),
+              } if field is not None else {}
+    if field is not None and field.type in bounds and isinstance(value, int) \
+            and not isinstance(value, bool):
+        low, high = bounds[field.type]
+        return f"must be an integer from {low} to {high}, got {bounded(repr(value), 40)}"
+    return str(error)
 
 
 def message_dict(m: pb.ChatMessage) -> dict[str, str]:
@@ -99,9 +127,9 @@ def message_dict(m: pb.ChatMessage) -> dict[str, str]:
 
 def chat_message(message: dict[str, str]) -> pb.ChatMessage:
     """SDK side: a message dict (role, content, optional tool_call_id and name) to the wire."""
-    return pb.ChatMessage(role=message["role"], content=message["content"],
-                          tool_call_id=message.get("tool_call_id") or "",
-                          name=message.get("name") or "")
+    return build_message(pb.ChatMessage, {
+        "role": message["role"], "content": message["content"],
+        "tool_call_id": message.get("tool_call_id") or "", "name": message.get("name") or ""})
 
 
 def chunk_response(out: RequestOutput, first: bool = False, served: ServedInfo | None = None,

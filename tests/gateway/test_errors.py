@@ -71,6 +71,29 @@ def test_bad_sampling_value_is_invalid_argument_with_its_field(two_workers) -> N
     assert err.metadata["field"] == "temperature"
 
 
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 2**40}, "max_tokens"),
+    ({"seed": -1}, "seed"), ({"temperature": "hot"}, "temperature")])
+def test_value_the_wire_cannot_hold_is_invalid_argument_before_any_call(kwargs, field) -> None:
+    from gateway.errors import REASONS
+
+    # Nothing listens on this target: a call would end UNAVAILABLE, not INVALID_ARGUMENT.
+    with Client("127.0.0.1:1", api_key="k", retry=NO_RETRY) as c:
+        for call in (lambda: c.generate("Hi", **kwargs),
+                     lambda: c.chat([{"role": "user", "content": "Hi"}], **kwargs)):
+            with pytest.raises(InvalidArgument) as info:
+                call()
+            assert type(info.value) is REASONS["INVALID_ARGUMENT"][0]
+            assert info.value.metadata["field"] == field and field in str(info.value)
+
+
+def test_token_id_the_wire_cannot_hold_is_invalid_argument_before_any_call() -> None:
+    with Client("127.0.0.1:1", api_key="k", retry=NO_RETRY) as c, \
+            pytest.raises(InvalidArgument) as info:
+        c.generate([1, -2], max_tokens=2)
+    assert info.value.metadata["field"] == "prompt_token_ids"
+
+
 def test_too_long_prompt_is_context_length_exceeded(two_workers) -> None:
     with client_for(two_workers) as c:
         err = expect(ContextLengthExceeded, c.generate([100] * 1500, max_tokens=2))
