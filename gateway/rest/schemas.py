@@ -23,11 +23,13 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    field_validator,
     model_validator,
 )
 
 from gateway.rest.strict import Strict, Text, utf8
 from gateway.rest.structured import ResponseFormat, ToolCallIn, ToolFields
+from runtime.chat_roles import role_error
 from runtime.sampling_params import (
     MAX_CANDIDATES,
     MAX_LOGPROBS,
@@ -87,6 +89,14 @@ class Message(Strict):
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls, sent back
     tool_call_id: Text | None = None  # a `role: "tool"` result answers this call
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        why = role_error(role)
+        if why is not None:
+            raise ValueError(why)
+        return role
 
     @model_validator(mode="after")
     def _tool_roles(self) -> Message:

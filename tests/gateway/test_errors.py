@@ -94,6 +94,14 @@ def test_token_id_the_wire_cannot_hold_is_invalid_argument_before_any_call() -> 
     assert info.value.metadata["field"] == "prompt_token_ids"
 
 
+def test_unknown_chat_role_is_invalid_argument_with_its_field(two_workers) -> None:
+    with client_for(two_workers) as c:
+        err = expect(InvalidArgument,
+                     c.chat([{"role": "wizard", "content": "Hi"}], max_tokens=1))
+    assert err.metadata["field"] == "messages[0].role"
+    assert "system, developer, user, assistant, tool" in err.message
+
+
 def test_too_long_prompt_is_context_length_exceeded(two_workers) -> None:
     with client_for(two_workers) as c:
         err = expect(ContextLengthExceeded, c.generate([100] * 1500, max_tokens=2))

@@ -49,6 +49,18 @@ def test_unknown_field_is_400_as_documented(shim) -> None:
     assert workers_ai_error(post(shim, RUN, json={"prompt": "Hi", "foo": 1}), 400)
 
 
+def test_unknown_message_role_is_400_naming_the_field(shim) -> None:
+    wizard = [{"role": "wizard", "content": "Hi"}]
+    err = openai_error(post(shim, CHAT, json={"messages": wizard, "max_tokens": 1}), 400)
+    assert err["param"] == "messages.0.role" and err["reason"] == "INVALID_ARGUMENT"
+    assert "system, developer, user, assistant, tool" in err["message"]
+    err = workers_ai_error(post(shim, RUN, json={"messages": wizard, "max_tokens": 1}), 400)
+    assert err["reason"] == "INVALID_ARGUMENT" and "role" in err["message"]
+    for role in ("system", "developer", "user"):
+        body = {"messages": [{"role": role, "content": "Hi"}], "max_tokens": 1}
+        assert post(shim, CHAT, json=body).status_code == 200, role
+
+
 def test_unimplemented_openai_option_is_refused_not_ignored(shim) -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"1": 5}}
     assert openai_error(post(shim, CHAT, json=body), 400)["param"] == "logit_bias"
@@ -142,7 +154,7 @@ def test_validation_errors_name_fields_but_echo_no_value(shim) -> None:
                  {"messages": [{"role": "user", "content": big}], "stop": ["s"] * 17}):
         err = openai_error(post(shim, CHAT, json=body), 400)
         assert big[:100] not in err["message"] and len(err["message"]) <= 1024
-        assert err["param"] in ("n", "messages.0.content", "stop")
+        assert err["param"] in ("n", "messages.0.role", "messages.0.content", "stop")
 
 
 def test_server_still_answers_after_bad_input(shim) -> None:
