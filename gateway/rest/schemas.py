@@ -16,20 +16,19 @@ OpenAI allows 128: each candidate holds its own KV pages past the prompt), `logp
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
     Discriminator,
     Field,
     Tag,
-    field_validator,
     model_validator,
 )
 
 from gateway.rest.strict import Strict, Text, utf8
 from gateway.rest.structured import ResponseFormat, ToolCallIn, ToolFields
-from runtime.chat_roles import role_error
+from runtime.chat_roles import CHAT_ROLES
 from runtime.sampling_params import (
     MAX_CANDIDATES,
     MAX_LOGPROBS,
@@ -83,20 +82,17 @@ class TextPart(Strict):
     text: Text
 
 
+# The roles runtime.chat_roles.CHAT_ROLES names, spelled out so the OpenAPI document lists them.
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+assert get_args(Role) == CHAT_ROLES
+
+
 class Message(Strict):
-    role: Text
+    role: Role
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls, sent back
     tool_call_id: Text | None = None  # a `role: "tool"` result answers this call
-
-    @field_validator("role")
-    @classmethod
-    def _known_role(cls, role: str) -> str:
-        why = role_error(role)
-        if why is not None:
-            raise ValueError(why)
-        return role
 
     @model_validator(mode="after")
     def _tool_roles(self) -> Message:

@@ -53,7 +53,8 @@ def test_unknown_message_role_is_400_naming_the_field(shim) -> None:
     wizard = [{"role": "wizard", "content": "Hi"}]
     err = openai_error(post(shim, CHAT, json={"messages": wizard, "max_tokens": 1}), 400)
     assert err["param"] == "messages.0.role" and err["reason"] == "INVALID_ARGUMENT"
-    assert "system, developer, user, assistant, tool" in err["message"]
+    assert all(f"'{role}'" in err["message"]
+               for role in ("system", "developer", "user", "assistant", "tool"))
     err = workers_ai_error(post(shim, RUN, json={"messages": wizard, "max_tokens": 1}), 400)
     assert err["reason"] == "INVALID_ARGUMENT" and "role" in err["message"]
     for role in ("system", "developer", "user"):
