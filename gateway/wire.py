@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
-from runtime.errors import InvalidArgument, bounded
+from runtime.errors import ContextLengthExceeded, InvalidArgument, bounded
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.structured_output import StructuredOutput
@@ -15,6 +15,7 @@ from runtime.structured_output import StructuredOutput
 SESSION_HEADER = "x-session-affinity"
 MAX_NAME_BYTES = 256  # model ids and session ids, refused past this at the edge
 
+MAX_WIRE_TOKENS = 2**32 - 1  # SamplingOptions.max_tokens is a uint32
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                     "n", "logprobs", "min_tokens")
@@ -83,6 +84,15 @@ def sampling_options(**kwargs: Any) -> pb.SamplingOptions:
         fields["structured_output"] = structured_output_message(fields["structured_output"])
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
+    max_tokens = fields.get("max_tokens")
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) \
+            and max_tokens > MAX_WIRE_TOKENS:
+        # NOTE: the same class the engine gives a max_tokens past the context: an input's error
+        # class never depends on its size.
+        raise ContextLengthExceeded(
+            f"max_tokens is more than any model's context (the wire carries at most "
+            f"{MAX_WIRE_TOKENS}); ask for fewer tokens, or leave it out for all the context "
+            f"leaves after the prompt", field="max_tokens")
     return build_message(pb.SamplingOptions, fields)
 
 

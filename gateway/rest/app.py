@@ -63,7 +63,8 @@ need no internet.
 
 Refused for reasons this document cannot state (they depend on the model, the key or the
 load): an unknown model (404) or one the key may not use (403); a prompt that does not fit the
-model's context with `max_tokens` (400 `CONTEXT_LENGTH_EXCEEDED`); a prompt that is empty or
+model's context with `max_tokens` (400 `CONTEXT_LENGTH_EXCEEDED`, however large `max_tokens`
+is); a prompt that is empty or
 whose token ids are outside the model's vocabulary (400 `INVALID_ARGUMENT`, param `prompt`); a
 conversation the model's chat template refuses (400); a `response_format` schema or a tool's
 `parameters` that does not compile, is larger than {MAX_SPEC_CHARS} characters or nests more

@@ -45,7 +45,9 @@ F32_MIN_POSITIVE = 2.0**-149  # the wire's float32 rounds anything smaller to 0
 
 Float = Annotated[float, Field(allow_inf_nan=False, ge=-F32_MAX, le=F32_MAX)]
 Positive = Annotated[Float, Field(ge=F32_MIN_POSITIVE)]
-MaxTokens = Annotated[int, Field(ge=1, le=U32)]
+# NOTE: no upper bound here: any max_tokens past the context is CONTEXT_LENGTH_EXCEEDED, however
+# large (the SDK refuses those the wire cannot carry with that class, before any call).
+MaxTokens = Annotated[int, Field(ge=1)]
 Penalty = Annotated[Float, Field(ge=-2, le=2)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(utf8)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(utf8)]

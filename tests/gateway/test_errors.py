@@ -72,7 +72,7 @@ def test_bad_sampling_value_is_invalid_argument_with_its_field(two_workers) -> N
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 2**40}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"), ({"min_tokens": 2**40}, "min_tokens"),
     ({"seed": -1}, "seed"), ({"temperature": "hot"}, "temperature")])
 def test_value_the_wire_cannot_hold_is_invalid_argument_before_any_call(kwargs, field) -> None:
     from gateway.errors import REASONS
@@ -85,6 +85,16 @@ def test_value_the_wire_cannot_hold_is_invalid_argument_before_any_call(kwargs, 
                 call()
             assert type(info.value) is REASONS["INVALID_ARGUMENT"][0]
             assert info.value.metadata["field"] == field and field in str(info.value)
+
+
+def test_max_tokens_the_wire_cannot_hold_is_context_length_exceeded_before_any_call() -> None:
+    # The class the server gives any max_tokens past the context (an InvalidArgument too).
+    with Client("127.0.0.1:1", api_key="k", retry=NO_RETRY) as c:
+        for max_tokens in (2**32, 2**40):
+            with pytest.raises(ContextLengthExceeded) as info:
+                c.generate("Hi", max_tokens=max_tokens)
+            assert isinstance(info.value, InvalidArgument)
+            assert info.value.metadata["field"] == "max_tokens"
 
 
 def test_token_id_the_wire_cannot_hold_is_invalid_argument_before_any_call() -> None:

@@ -68,8 +68,9 @@ def test_unimplemented_openai_option_is_refused_not_ignored(shim) -> None:
 
 
 def test_value_that_does_not_fit_the_wire_is_400(shim) -> None:
-    body = {"prompt": "Hi", "max_tokens": 2**40}
-    assert workers_ai_error(post(shim, RUN, json=body), 400)["reason"] == "INVALID_ARGUMENT"
+    body = {"prompt": "Hi", "max_tokens": 2**40}  # past any context, as 2**20 is
+    assert workers_ai_error(post(shim, RUN, json=body), 400)["reason"] == \
+        "CONTEXT_LENGTH_EXCEEDED"
     body = {"prompt": "Hi", "seed": -1}
     assert workers_ai_error(post(shim, RUN, json=body), 400)["reason"] == "INVALID_ARGUMENT"
 
