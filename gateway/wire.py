@@ -120,8 +120,8 @@ def _wire_error(cls: Any, name: str, value: Any, error: Exception) -> str:
     if field is not None and field.type in bounds and isinstance(value, int) \
             and not isinstance(value, bool):
         low, high = bounds[field.type]
-        return f"must be an integer from {low} to {high}, got {bounded(repr(value), 40)}"
-    return str(error)
+        return f"must be an integer from {low} to {high}"  # NOTE: never echoes the value
+    return bounded(str(error), 200)
 
 
 def message_dict(m: pb.ChatMessage) -> dict[str, str]:
