@@ -52,6 +52,7 @@ from gateway.stream import (  # noqa: F401  (re-exported)
 from gateway.wire import (  # noqa: F401
     SESSION_HEADER,
     ServedInfo,
+    build_message,
     chat_message,
     sampling_options,
 )
@@ -82,7 +83,8 @@ class _ClientBase:
         if isinstance(prompt, str):
             return pb.GenerateRequest(model=model, prompt=prompt, sampling=opts,
                                       split_special_tokens=split_special_tokens)
-        return pb.GenerateRequest(model=model, prompt_token_ids=list(prompt), sampling=opts)
+        return build_message(pb.GenerateRequest, {"model": model, "sampling": opts,
+                                                   "prompt_token_ids": list(prompt)})
 
     @staticmethod
     def _chat_request(messages: list[dict[str, str]], model: str,

@@ -34,6 +34,7 @@ from runtime.errors import InvalidArgument, ModelNotFound, TesseraError
 log = get_logger("tessera.gateway")
 PREFIX_CHARS = 64  # prompts at least this long are routed to where their prefix last went
 MAX_TRANSPARENT_RETRIES = 2
+DEADLINE_SLACK_S = 0.05  # a cancel this close to the deadline is the deadline
 # Sizes refused at the edge, as INVALID_ARGUMENT whatever the excess (README: "Limits").
 MAX_PROMPT_BYTES = 1 << 20  # prompt text, or all chat message contents together
 MAX_PROMPT_TOKEN_IDS = 1 << 18
@@ -301,7 +302,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             bound.info("request failed", reason=e.reason, error=e.message)
             await context.abort_with_status(to_status(e))
         except asyncio.CancelledError:
-            reason = "CANCELLED"
+            reason = _cancel_reason(context)
             raise
         except Exception as e:  # never leak a traceback to the client
             reason = "INTERNAL"
@@ -315,6 +316,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             metrics.REQUESTS.labels(label, reason).inc()
             bound.info("request done", reason=reason,
                        elapsed_s=round(time.perf_counter() - start, 4))
+
+
+def _cancel_reason(context: grpc.aio.ServicerContext) -> str:
+    """Why the call was cancelled: its deadline passed, or the client left."""
+    remaining_s = context.time_remaining()
+    # NOTE: grpc cancels the handler at the deadline; the clock read here lags it slightly.
+    if remaining_s is not None and remaining_s <= DEADLINE_SLACK_S:
+        return "DEADLINE_EXCEEDED"
+    return "CANCELLED"
 
 
 def _cancelling() -> bool:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -50,7 +52,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="decode workers, when --prefill-workers > 0")
     p.add_argument("--prefill-pool-args", default="", metavar="FLAGS",
                    help="engine flags for prefill workers only (formats, sizes), e.g. "
-                        "\"--kv-cache-dtype bfloat16\"")
+                        "\"--kv-cache-dtype bf16\"")
     p.add_argument("--decode-pool-args", default="", metavar="FLAGS",
                    help="engine flags for decode workers only, e.g. "
                         "\"--kv-cache-dtype fp8 --decode-weights int4\"")
@@ -114,6 +116,50 @@ def pool_configs(base: PoolConfig, args: argparse.Namespace) -> list[PoolConfig]
                                    ("prefill", args.prefill_workers, args.prefill_pool_args))]
 
 
+POOL_ARG_FLAGS = ("--prefill-pool-args", "--decode-pool-args")
+# Parses each (flag, words) pair with the worker's own parser, in a child process: the worker
+# module imports torch, which the gateway process never loads.
+_PARSE_WITH_WORKER = """
+import contextlib, io, json, sys
+from gateway.worker import parse_args
+for flag, words in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            parse_args(["--socket", "check.sock", *words])
+    except SystemExit:
+        lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+        why = lines[-1].split("error: ", 1)[-1] if lines else "not a worker flag"
+        print(f"{flag}: {why}")
+        sys.exit(2)
+"""
+
+
+def check_pool_args(args: argparse.Namespace) -> None:
+    """Exit with one line naming the flag if a pool's extra engine flags would not parse in its
+    workers (a worker that cannot parse its flags would be restarted forever)."""
+    given: list[tuple[str, list[str]]] = []
+    for flag in POOL_ARG_FLAGS:
+        text = getattr(args, flag[2:].replace("-", "_"))
+        try:
+            words = shlex.split(text)
+        except ValueError as e:
+            raise SystemExit(f"tessera serve: {flag}: {e}") from None
+        if words:
+            given.append((flag, words))
+    if not given:
+        return
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", _PARSE_WITH_WORKER, json.dumps(given)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    if proc.returncode != 0:
+        why = proc.stdout.strip() or (proc.stderr.strip().splitlines()
+                                      or [f"the worker's parser exited {proc.returncode}"])[-1]
+        raise SystemExit(f"tessera serve: {why}")
+
+
 def serve_rest(runner: GatewayRunner, host: str = "127.0.0.1", port: int = 8000, *,
                operator_key: str | None = None) -> RestServer:
     """The shim on a started runner's event loop, its status page reading that gateway;
@@ -141,6 +187,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys, dev_key = ApiKeys.load(args.api_keys)
     pool = pool_config(args)
     pools = pool_configs(pool, args)
+    check_pool_args(args)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
-from runtime.errors import InvalidArgument
+from runtime.errors import ContextLengthExceeded, InvalidArgument, bounded
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.structured_output import StructuredOutput
@@ -15,6 +15,7 @@ from runtime.structured_output import StructuredOutput
 SESSION_HEADER = "x-session-affinity"
 MAX_NAME_BYTES = 256  # model ids and session ids, refused past this at the edge
 
+MAX_WIRE_TOKENS = 2**32 - 1  # SamplingOptions.max_tokens is a uint32
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                     "n", "logprobs", "min_tokens")
@@ -83,7 +84,44 @@ def sampling_options(**kwargs: Any) -> pb.SamplingOptions:
         fields["structured_output"] = structured_output_message(fields["structured_output"])
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
-    return pb.SamplingOptions(**fields)
+    max_tokens = fields.get("max_tokens")
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) \
+            and max_tokens > MAX_WIRE_TOKENS:
+        # NOTE: the same class the engine gives a max_tokens past the context: an input's error
+        # class never depends on its size.
+        raise ContextLengthExceeded(
+            f"max_tokens is more than any model's context (the wire carries at most "
+            f"{MAX_WIRE_TOKENS}); ask for fewer tokens, or leave it out for all the context "
+            f"leaves after the prompt", field="max_tokens")
+    return build_message(pb.SamplingOptions, fields)
+
+
+def build_message(cls: Any, fields: dict[str, Any]) -> Any:
+    """SDK side: `cls(**fields)`, a value the wire type cannot hold (a negative or too large
+    integer, a wrong type) raising InvalidArgument naming its field, as the server would."""
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError):
+        pass
+    for name, value in fields.items():
+        try:
+            cls(**{name: value})
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"{name}: {_wire_error(cls, name, value, e)}",
+                                  field=name) from None
+    return cls(**fields)  # NOTE: only a combination failed; let protobuf say why
+
+
+def _wire_error(cls: Any, name: str, value: Any, error: Exception) -> str:
+    field = cls.DESCRIPTOR.fields_by_name.get(name)
+    bounds = {field.TYPE_UINT32: (0, 2**32 - 1), field.TYPE_UINT64: (0, 2**64 - 1),
+              field.TYPE_INT32: (-(2**31), 2**31 - 1), field.TYPE_INT64: (-(2**63), 2**63 - 1),
+              } if field is not None else {}
+    if field is not None and field.type in bounds and isinstance(value, int) \
+            and not isinstance(value, bool):
+        low, high = bounds[field.type]
+        return f"must be an integer from {low} to {high}"  # NOTE: never echoes the value
+    return bounded(str(error), 200)
 
 
 def message_dict(m: pb.ChatMessage) -> dict[str, str]:
@@ -99,9 +137,9 @@ def message_dict(m: pb.ChatMessage) -> dict[str, str]:
 
 def chat_message(message: dict[str, str]) -> pb.ChatMessage:
     """SDK side: a message dict (role, content, optional tool_call_id and name) to the wire."""
-    return pb.ChatMessage(role=message["role"], content=message["content"],
-                          tool_call_id=message.get("tool_call_id") or "",
-                          name=message.get("name") or "")
+    return build_message(pb.ChatMessage, {
+        "role": message["role"], "content": message["content"],
+        "tool_call_id": message.get("tool_call_id") or "", "name": message.get("name") or ""})
 
 
 def chunk_response(out: RequestOutput, first: bool = False, served: ServedInfo | None = None,

@@ -23,5 +23,6 @@ if [ -n "$extras" ] && ! command -v promtool >/dev/null; then
   fi
 fi
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
-# The C++ CPU ops compile once per machine (~1 min on 2 cores): here, not on a first request.
+# The C++ CPU ops compile once per machine (one to a few minutes on 2 cores): here, not on a
+# first request.
 "$PY" -m kernels

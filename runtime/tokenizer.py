@@ -17,6 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Encoding, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from runtime.chat_roles import role_error
 from runtime.errors import InvalidArgument, ModelLoadError
 
 # GGUF token types (llama.cpp): 3 = control, 4 = user-defined; both are matched whole.
@@ -140,6 +141,9 @@ class Tokenizer:
             if any(t in m["role"] for t in self._special_texts):
                 raise InvalidArgument(f"messages[{i}] has a special token in its role",
                                       field="messages")
+            why = role_error(m["role"])
+            if why is not None:
+                raise InvalidArgument(f"messages[{i}]: {why}", field=f"messages[{i}].role")
         return self._render(messages, add_generation_prompt)
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:

@@ -28,7 +28,7 @@ from gateway.rest.guard import (
     wants_workers_ai,
 )
 from gateway.rest.schemas import RUN_TAGS
-from gateway.rest.status import GatewayView, ShimStats
+from gateway.rest.status import GatewayView, ShimStats, route_of
 from gateway.rest.upstream import MAX_API_KEY_BYTES, Upstream
 from gateway.wire import MAX_NAME_BYTES
 from runtime.errors import TesseraError, bounded
@@ -63,7 +63,8 @@ need no internet.
 
 Refused for reasons this document cannot state (they depend on the model, the key or the
 load): an unknown model (404) or one the key may not use (403); a prompt that does not fit the
-model's context with `max_tokens` (400 `CONTEXT_LENGTH_EXCEEDED`); a prompt that is empty or
+model's context with `max_tokens` (400 `CONTEXT_LENGTH_EXCEEDED`, however large `max_tokens`
+is); a prompt that is empty or
 whose token ids are outside the model's vocabulary (400 `INVALID_ARGUMENT`, param `prompt`); a
 conversation the model's chat template refuses (400); a `response_format` schema or a tool's
 `parameters` that does not compile, is larger than {MAX_SPEC_CHARS} characters or nests more
@@ -116,28 +117,34 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid request: {text}{more}", (_field(errors[0]) if errors else "") or None
 
 
+def _refused(request: Request, error: TesseraError) -> Response:
+    """The error's response, the request counted by its reason unless a relay counted it."""
+    if not getattr(request.state, "recorded", False):
+        stats: ShimStats = request.app.state.stats
+        stats.record(route_of(request.url.path), error.reason, None)
+    return error_response(error, wants_workers_ai(request.url.path))
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     async def tessera(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, TesseraError)
-        return error_response(exc, wants_workers_ai(request.url.path))
+        return _refused(request, exc)
 
     async def validation(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         message, field = _validation_message(exc)
         error = ShimError("INVALID_ARGUMENT", message, **({"field": field} if field else {}))
-        return error_response(error, wants_workers_ai(request.url.path))
+        return _refused(request, error)
 
     async def http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         reason = _HTTP_REASONS.get(exc.status_code, "INVALID_ARGUMENT")
-        error = ShimError(reason, str(exc.detail))
-        response = error_response(error, wants_workers_ai(request.url.path))
+        response = _refused(request, ShimError(reason, str(exc.detail)))
         response.headers.update(exc.headers or {})
         return response
 
     async def internal(request: Request, exc: Exception) -> Response:  # never a traceback
-        return error_response(Internal(f"internal error: {type(exc).__name__}"),
-                              wants_workers_ai(request.url.path))
+        return _refused(request, Internal(f"internal error: {type(exc).__name__}"))
 
     app.add_exception_handler(TesseraError, tessera)
     app.add_exception_handler(RequestValidationError, validation)
@@ -219,5 +226,5 @@ def build_app(upstream: Upstream, view: GatewayView | None = None,
         return FileResponse(STATIC / "status.js", media_type="text/javascript")
 
     app.add_middleware(Guard, drain=drain, max_body_bytes=max_body_bytes,  # type: ignore[arg-type]
-                       body_timeout_s=body_timeout_s)
+                       body_timeout_s=body_timeout_s, stats=app.state.stats)
     return app

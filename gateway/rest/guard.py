@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.rest.drain import Drain, shutting_down
 from gateway.rest.errors import ShimError, error_response
+from gateway.rest.status import ShimStats, route_of
 from gateway.rest.upstream import bearer_token, session_id
 from runtime.errors import TesseraError
 
@@ -45,8 +46,9 @@ class BodyTimeout(HTTPException):
 class Guard:
     def __init__(self, app: ASGIApp, drain: Drain, max_body_bytes: int = MAX_BODY_BYTES,
                  body_timeout_s: float = BODY_TIMEOUT_S,
-                 max_header_bytes: int = MAX_HEADER_BYTES) -> None:
+                 max_header_bytes: int = MAX_HEADER_BYTES, stats: ShimStats | None = None) -> None:
         self.app, self.drain = app, drain
+        self.stats = stats or ShimStats()
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.max_header_bytes = max_header_bytes
 
@@ -76,6 +78,7 @@ class Guard:
             return await self.app(scope, receive, send)
         refusal = self.refusal(scope)
         if refusal is not None:
+            self.stats.record(route_of(path), refusal.reason, None)
             response = error_response(refusal, wants_workers_ai(path))
             if self.drain.draining:
                 response.headers.update(CLOSE)
@@ -84,7 +87,8 @@ class Guard:
         # type, and Workers AI's and OpenAI's own examples rely on that working.
         scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
                                       if k.lower() != b"content-type"]
-                 + [(b"content-type", b"application/json")]}
+                 + [(b"content-type", b"application/json")],
+                 "state": dict(scope.get("state") or {})}  # request.state: `recorded` below
         with self.drain.request():
             await self._serve(scope, self._bounded(receive), send)
 
@@ -124,6 +128,9 @@ class Guard:
             # route's envelope rather than with its text/plain 500, and end here.
             if started:
                 raise
-            response = error_response(shutting_down(), wants_workers_ai(scope["path"]))
+            error = shutting_down()
+            if not scope["state"].get("recorded"):  # a relay counts what it relayed
+                self.stats.record(route_of(scope["path"]), error.reason, None)
+            response = error_response(error, wants_workers_ai(scope["path"]))
             response.headers.update(CLOSE)
             await response(scope, receive, send)

@@ -40,6 +40,7 @@ class Relay:
         self.stats: ShimStats = request.app.state.stats
         self._drain: Drain = request.app.state.drain
         self._receive = request.receive
+        self._request_state = request.state
         self._it: AsyncIterator[Chunk] | None = None
         self._first: Chunk | None = None
         self._finished = False
@@ -87,6 +88,7 @@ class Relay:
             if self._watcher is not None:
                 self._watcher.cancel()
             self.stats.record(self.route, reason, self.stream.usage)
+            self._request_state.recorded = True  # NOTE: the error handlers count it no more
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """The first chunk, then the rest; the upstream call is cancelled if we stop early."""

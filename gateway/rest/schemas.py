@@ -16,7 +16,7 @@ OpenAI allows 128: each candidate holds its own KV pages past the prompt), `logp
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -28,6 +28,7 @@ from pydantic import (
 
 from gateway.rest.strict import Strict, Text, utf8
 from gateway.rest.structured import ResponseFormat, ToolCallIn, ToolFields
+from runtime.chat_roles import CHAT_ROLES
 from runtime.sampling_params import (
     MAX_CANDIDATES,
     MAX_LOGPROBS,
@@ -44,7 +45,9 @@ F32_MIN_POSITIVE = 2.0**-149  # the wire's float32 rounds anything smaller to 0
 
 Float = Annotated[float, Field(allow_inf_nan=False, ge=-F32_MAX, le=F32_MAX)]
 Positive = Annotated[Float, Field(ge=F32_MIN_POSITIVE)]
-MaxTokens = Annotated[int, Field(ge=1, le=U32)]
+# NOTE: no upper bound here: any max_tokens past the context is CONTEXT_LENGTH_EXCEEDED, however
+# large (the SDK refuses those the wire cannot carry with that class, before any call).
+MaxTokens = Annotated[int, Field(ge=1)]
 Penalty = Annotated[Float, Field(ge=-2, le=2)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(utf8)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(utf8)]
@@ -81,8 +84,13 @@ class TextPart(Strict):
     text: Text
 
 
+# The roles runtime.chat_roles.CHAT_ROLES names, spelled out so the OpenAPI document lists them.
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+assert get_args(Role) == CHAT_ROLES
+
+
 class Message(Strict):
-    role: Text
+    role: Role
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls, sent back

@@ -18,6 +18,18 @@ if TYPE_CHECKING:
     from gateway.worker_handle import WorkerHandle
 
 
+_ROUTES = (("/v1/chat/completions", "chat"), ("/v1/completions", "completions"),
+           ("/v1/models", "models"), ("/ai/run/", "ai.run"))
+
+
+def route_of(path: str) -> str:
+    """The route name requests are counted under (a fixed set: never the path itself)."""
+    for prefix, name in _ROUTES:
+        if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
+            return name
+    return "other"
+
+
 class ShimStats:
     def __init__(self) -> None:
         self.started = time.monotonic()

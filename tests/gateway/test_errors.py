@@ -71,6 +71,47 @@ def test_bad_sampling_value_is_invalid_argument_with_its_field(two_workers) -> N
     assert err.metadata["field"] == "temperature"
 
 
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": -1}, "max_tokens"), ({"min_tokens": 2**40}, "min_tokens"),
+    ({"seed": -1}, "seed"), ({"temperature": "hot"}, "temperature")])
+def test_value_the_wire_cannot_hold_is_invalid_argument_before_any_call(kwargs, field) -> None:
+    from gateway.errors import REASONS
+
+    # Nothing listens on this target: a call would end UNAVAILABLE, not INVALID_ARGUMENT.
+    with Client("127.0.0.1:1", api_key="k", retry=NO_RETRY) as c:
+        for call in (lambda: c.generate("Hi", **kwargs),
+                     lambda: c.chat([{"role": "user", "content": "Hi"}], **kwargs)):
+            with pytest.raises(InvalidArgument) as info:
+                call()
+            assert type(info.value) is REASONS["INVALID_ARGUMENT"][0]
+            assert info.value.metadata["field"] == field and field in str(info.value)
+
+
+def test_max_tokens_the_wire_cannot_hold_is_context_length_exceeded_before_any_call() -> None:
+    # The class the server gives any max_tokens past the context (an InvalidArgument too).
+    with Client("127.0.0.1:1", api_key="k", retry=NO_RETRY) as c:
+        for max_tokens in (2**32, 2**40):
+            with pytest.raises(ContextLengthExceeded) as info:
+                c.generate("Hi", max_tokens=max_tokens)
+            assert isinstance(info.value, InvalidArgument)
+            assert info.value.metadata["field"] == "max_tokens"
+
+
+def test_token_id_the_wire_cannot_hold_is_invalid_argument_before_any_call() -> None:
+    with Client("127.0.0.1:1", api_key="k", retry=NO_RETRY) as c, \
+            pytest.raises(InvalidArgument) as info:
+        c.generate([1, -2], max_tokens=2)
+    assert info.value.metadata["field"] == "prompt_token_ids"
+
+
+def test_unknown_chat_role_is_invalid_argument_with_its_field(two_workers) -> None:
+    with client_for(two_workers) as c:
+        err = expect(InvalidArgument,
+                     c.chat([{"role": "wizard", "content": "Hi"}], max_tokens=1))
+    assert err.metadata["field"] == "messages[0].role"
+    assert "system, developer, user, assistant, tool" in err.message
+
+
 def test_too_long_prompt_is_context_length_exceeded(two_workers) -> None:
     with client_for(two_workers) as c:
         err = expect(ContextLengthExceeded, c.generate([100] * 1500, max_tokens=2))
@@ -93,7 +134,15 @@ def test_corrupted_page_mid_stream_is_kv_integrity_violation(two_workers) -> Non
     wait_for(lambda: requests_drained(two_workers), 30, "the aborted request's pages")
 
 
+def requests_total(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    labels = {"model": MODEL, "reason": reason}
+    return REGISTRY.get_sample_value("tessera_gateway_requests_total", labels) or 0.0
+
+
 def test_client_deadline_is_deadline_exceeded_and_frees_the_request(two_workers) -> None:
+    before = {r: requests_total(r) for r in ("DEADLINE_EXCEEDED", "CANCELLED")}
     with client_for(two_workers) as c:
         start = time.monotonic()
         stream = c.generate("Count:", max_tokens=600, ignore_eos=True, timeout_s=1.0)
@@ -102,17 +151,24 @@ def test_client_deadline_is_deadline_exceeded_and_frees_the_request(two_workers)
     assert elapsed_s < 10, "the deadline ended the call, not the 600 tokens"
     assert len(stream.token_ids) < 600 and stream.usage is None
     wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
+    wait_for(lambda: requests_total("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"] + 1, 10,
+             "the gateway to count the request DEADLINE_EXCEEDED")
+    assert requests_total("CANCELLED") == before["CANCELLED"]
 
 
 def test_client_cancel_is_cancelled_and_frees_the_request(two_workers) -> None:
+    before = {r: requests_total(r) for r in ("DEADLINE_EXCEEDED", "CANCELLED")}
     with client_for(two_workers) as c:
-        stream = c.generate("Count:", max_tokens=600, ignore_eos=True)
+        stream = c.generate("Count:", max_tokens=600, ignore_eos=True, timeout_s=60)
         chunks = iter(stream)
         next(chunks), next(chunks)
         stream.cancel()
         with pytest.raises(RequestCancelled):
             next(chunks)
     wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
+    wait_for(lambda: requests_total("CANCELLED") == before["CANCELLED"] + 1, 10,
+             "the gateway to count the request CANCELLED")
+    assert requests_total("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"]
 
 
 def test_full_pool_is_overloaded_with_a_retry_hint(two_workers) -> None:

@@ -5,10 +5,14 @@ workers; every option of every subcommand says what it does and its default."""
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
+import subprocess
+import sys
 
 import pytest
 
-from gateway.serve import pool_config, worker_args
+from gateway.serve import POOL_ARG_FLAGS, pool_config, worker_args
 from gateway.supervisor import WorkerPool
 from gateway.worker import parse_args as parse_worker
 from gateway.worker_handle import WorkerHandle
@@ -88,6 +92,46 @@ def test_prefill_and_decode_pools_split_the_cores_between_them() -> None:
         ("decode", share_of_cores(2)), ("prefill", share_of_cores(2))]
     args = parser.parse_args(["serve", "--prefill-workers", "1", "--worker-threads", "3"])
     assert {p.worker_threads for p in pool_configs(pool_config(args), args)} == {3}
+
+
+def test_the_pool_args_examples_in_serve_help_are_flags_a_worker_accepts() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.option_strings[0]: a.help for a in sub.choices["serve"]._actions
+             if a.option_strings}
+    for flag in POOL_ARG_FLAGS:
+        example = re.search(r'e\.g\. "([^"]+)"', helps[flag])
+        assert example, f"{flag} has no example"
+        parse_worker(["--socket", "/tmp/s", *shlex.split(example.group(1))])
+
+
+@pytest.mark.timeout(120)
+def test_serve_refuses_pool_args_its_workers_would_reject_before_starting_any() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "serve", "--no-http", "--grpc-port", "0",
+         "--prefill-workers", "1", "--prefill-pool-args", "--kv-cache-dtype bfloat16"],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "tessera gateway on" not in proc.stdout  # nothing was started
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("tessera serve: --prefill-pool-args: ")
+    assert "'bfloat16'" in lines[0] and "'bf16'" in lines[0]
+
+
+def test_serve_names_the_pool_flag_with_an_unknown_or_unquotable_word() -> None:
+    from gateway.serve import check_pool_args
+
+    args = build_parser().parse_args(["serve", "--decode-pool-args", "--kv-cache-dtype fp8",
+                                      "--prefill-pool-args=--no-such-flag"])
+    with pytest.raises(SystemExit, match="--prefill-pool-args: unrecognized arguments: "
+                                         "--no-such-flag"):
+        check_pool_args(args)
+    args = build_parser().parse_args(["serve", "--decode-pool-args=--model 'x"])
+    with pytest.raises(SystemExit, match="--decode-pool-args: No closing quotation"):
+        check_pool_args(args)
+    check_pool_args(build_parser().parse_args(
+        ["serve", "--decode-pool-args", "--kv-cache-dtype fp8 --kv-transport grpc"]))
 
 
 def test_serve_defaults_bind_loopback_on_50051() -> None:

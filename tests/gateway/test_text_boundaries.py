@@ -90,6 +90,17 @@ def test_max_tokens_past_the_context_is_refused_with_the_numbers(client, tokeniz
                             "max_tokens": "100000", "max_model_len": "1456"}
 
 
+@pytest.mark.parametrize("max_tokens", [10**9, 2**32 - 1, 2**32, 2**40, 10**30])
+def test_max_tokens_past_the_context_is_context_length_exceeded_whatever_its_size(
+        client, max_tokens):
+    for call in (lambda: client.generate(FRANCE, max_tokens=max_tokens),
+                 lambda: client.chat([{"role": "user", "content": "Hi"}], max_tokens=max_tokens)):
+        with pytest.raises(ContextLengthExceeded) as info:
+            list(call())
+        assert type(info.value) is ContextLengthExceeded
+        assert info.value.metadata["field"] == "max_tokens"
+
+
 def test_chat_without_max_tokens_runs_to_the_end_of_the_answer(client):
     stream = client.chat([{"role": "user", "content": "What is 2+2?"}], temperature=0)
     assert "".join(c.text for c in stream) == "The answer to this classic math problem is 4."

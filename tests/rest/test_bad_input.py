@@ -49,14 +49,28 @@ def test_unknown_field_is_400_as_documented(shim) -> None:
     assert workers_ai_error(post(shim, RUN, json={"prompt": "Hi", "foo": 1}), 400)
 
 
+def test_unknown_message_role_is_400_naming_the_field(shim) -> None:
+    wizard = [{"role": "wizard", "content": "Hi"}]
+    err = openai_error(post(shim, CHAT, json={"messages": wizard, "max_tokens": 1}), 400)
+    assert err["param"] == "messages.0.role" and err["reason"] == "INVALID_ARGUMENT"
+    assert all(f"'{role}'" in err["message"]
+               for role in ("system", "developer", "user", "assistant", "tool"))
+    err = workers_ai_error(post(shim, RUN, json={"messages": wizard, "max_tokens": 1}), 400)
+    assert err["reason"] == "INVALID_ARGUMENT" and "role" in err["message"]
+    for role in ("system", "developer", "user"):
+        body = {"messages": [{"role": role, "content": "Hi"}], "max_tokens": 1}
+        assert post(shim, CHAT, json=body).status_code == 200, role
+
+
 def test_unimplemented_openai_option_is_refused_not_ignored(shim) -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"1": 5}}
     assert openai_error(post(shim, CHAT, json=body), 400)["param"] == "logit_bias"
 
 
 def test_value_that_does_not_fit_the_wire_is_400(shim) -> None:
-    body = {"prompt": "Hi", "max_tokens": 2**40}
-    assert workers_ai_error(post(shim, RUN, json=body), 400)["reason"] == "INVALID_ARGUMENT"
+    body = {"prompt": "Hi", "max_tokens": 2**40}  # past any context, as 2**20 is
+    assert workers_ai_error(post(shim, RUN, json=body), 400)["reason"] == \
+        "CONTEXT_LENGTH_EXCEEDED"
     body = {"prompt": "Hi", "seed": -1}
     assert workers_ai_error(post(shim, RUN, json=body), 400)["reason"] == "INVALID_ARGUMENT"
 
@@ -142,7 +156,7 @@ def test_validation_errors_name_fields_but_echo_no_value(shim) -> None:
                  {"messages": [{"role": "user", "content": big}], "stop": ["s"] * 17}):
         err = openai_error(post(shim, CHAT, json=body), 400)
         assert big[:100] not in err["message"] and len(err["message"]) <= 1024
-        assert err["param"] in ("n", "messages.0.content", "stop")
+        assert err["param"] in ("n", "messages.0.role", "messages.0.content", "stop")
 
 
 def test_server_still_answers_after_bad_input(shim) -> None:

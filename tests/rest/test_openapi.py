@@ -81,7 +81,7 @@ def _shorten(body: Any, mode: GenerationMode, path: str) -> None:
         body.update(_integers(body))
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
-        if type(value) is int and 0 <= value <= U32:
+        if type(value) is int and 0 <= value:
             body[key] = min(max(value, 1 if mode.is_positive else 0), MAX_TOKENS)
     if mode.is_positive:
         # both given must agree: a rule DESCRIPTION states, a JSON schema cannot

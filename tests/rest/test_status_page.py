@@ -32,6 +32,28 @@ def test_status_reports_workers_pages_tokens_and_reasons(shim) -> None:
     assert "acme" not in json.dumps(s), "no tenant names, even for operators"
 
 
+def test_status_counts_every_refused_request_once_by_its_reason(shim) -> None:
+    def by_reason() -> dict[str, int]:
+        s = httpx.get(f"{shim.url}/status", headers=OPERATOR, timeout=30).json()
+        return s["shim"]["requests_by_reason"]
+
+    chat, run = f"{shim.url}/v1/chat/completions", f"{shim.url}/ai/run/{MODEL}"
+    before = by_reason()
+    refusals = [
+        httpx.post(chat, content=b'{"messages": [', headers=shim.headers(), timeout=30),  # 400
+        httpx.post(run, json={"prompt": "Hi"}, timeout=30),  # no key: 401
+        httpx.get(run, headers=shim.headers(), timeout=30),  # 405
+        httpx.get(f"{shim.url}/v1/nothing-here", headers=shim.headers(), timeout=30),  # 404
+        # refused by the worker, through a relay: counted there, and only there
+        httpx.post(run, json={"prompt": "Hi", "max_tokens": 100_000}, headers=shim.headers(),
+                   timeout=60)]
+    assert [r.status_code for r in refusals] == [400, 401, 405, 404, 400]
+    after = by_reason()
+    delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert delta == {"INVALID_ARGUMENT": 1, "UNAUTHENTICATED": 1, "METHOD_NOT_ALLOWED": 1,
+                     "NOT_FOUND": 1, "CONTEXT_LENGTH_EXCEEDED": 1}
+
+
 def test_status_without_the_operator_key_is_401_and_shows_no_pid(shim) -> None:
     pids = [str(w.pid) for w in shim.runner.gateway.pools[MODEL].workers.values()]
     for headers in ({}, shim.headers(), {"authorization": f"Bearer {OPERATOR_KEY}x"}):

@@ -136,6 +136,18 @@ def test_max_tokens_past_the_context_is_400_with_the_numbers(oai, tokenizer, str
             f"tokens ({n} in the messages, 100000 in the completion)") in info.value.message
 
 
+@pytest.mark.parametrize("max_tokens", [10**4, 10**9, 2**32 - 1, 2**32, 2**40, 10**30])
+def test_max_tokens_past_the_context_is_context_length_exceeded_whatever_its_size(
+        shim, max_tokens) -> None:
+    for path, body in [("/v1/chat/completions", {"messages": BRIEF_QUESTION}),
+                       ("/v1/completions", {"prompt": "Hi"}), (RUN, {"prompt": "Hi"})]:
+        r = post(shim, path, {**body, "max_tokens": max_tokens})
+        assert r.status_code == 400, r.text
+        err = r.json()["errors"][0] if path == RUN else r.json()["error"]
+        assert err["reason"] == "CONTEXT_LENGTH_EXCEEDED", (path, r.text)
+        assert str(10**30)[:20] not in r.text  # no echo of the value
+
+
 def test_the_openapi_document_says_max_tokens_starts_at_1_and_its_defaults(shim) -> None:
     schemas = httpx.get(f"{shim.url}/openapi.json", timeout=30).json()["components"]["schemas"]
     for name, field, default in [("ChatCompletionRequest", "max_tokens", None),
