@@ -4,8 +4,14 @@ path; prints whether they are usable."""
 from __future__ import annotations
 
 import logging
+import time
 
-from kernels.cpu_ops import build_tag, native_status
+from kernels.cpu_ops import build_pending, build_tag, native_status
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-print(f"tessera C++ CPU ops: {native_status()} (build {build_tag()})")
+started = time.monotonic()
+if build_pending():
+    print(f"tessera C++ CPU ops: compiling build {build_tag()} for this CPU "
+          "(one to a few minutes on 2 cores; once per machine)...", flush=True)
+status = native_status()
+print(f"tessera C++ CPU ops: {status} (build {build_tag()}, {time.monotonic() - started:.0f} s)")
