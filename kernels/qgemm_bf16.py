@@ -65,3 +65,20 @@ def q8_linear_bf16(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.
         y = torch.empty(x2.shape[0], qs.shape[0])
         torch.ops.tessera_quant.q8_linear_bf16_out(x2, qs, d, y)
     return y.view(*x.shape[:-1], qs.shape[0])
+
+
+def ref_bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Twin of `bf16_linear`: float32 [M, N] = bf16(x) @ w^T, sums in float64."""
+    return (_bf16(x).double() @ w.double().t()).float()
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x float32 [..., K], w bfloat16 [N, K] (a dequantized copy of blocks) -> float32 [..., N]:
+    x rounded to bf16, float32 sums and output (torch's bf16 F.linear would round y too)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if x.device.type != "cpu" or not bf16_gemm_available():
+        y = ref_bf16_linear(x2, w)
+    else:
+        y = torch.empty(x2.shape[0], w.shape[0])
+        torch.ops.tessera_quant.bf16_linear_out(x2, w, y)
+    return y.view(*x.shape[:-1], w.shape[0])

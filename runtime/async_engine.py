@@ -232,6 +232,7 @@ class AsyncLLM:
                 # between back-to-back requests, where it would delay the next one.
                 if not self._wake.wait(timeout=0.5) and self._stepped:
                     self._stepped = False
+                    self.engine.release_idle_memory()
                     release_free_heap()
 
     def _pass(self) -> None:

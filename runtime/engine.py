@@ -187,6 +187,16 @@ class LLMEngine:
         """The prefill model (the decode model shares all but its linear layers with it)."""
         return self.prefill_model
 
+    def release_idle_memory(self) -> None:
+        """Drops what a busy engine caches in its modules (the bf16 weight copies of
+        `--gguf-activations bf16`); they are rebuilt by the next step that needs them. For an
+        idle engine only: a step must not be running."""
+        for model in {id(m): m for m in (self.prefill_model, self.decode_model)}.values():
+            for module in model.modules():
+                release = getattr(module, "release_cache", None)
+                if callable(release):
+                    release()
+
     @property
     def kv_capacity_tokens(self) -> int:
         return self.pool.num_pages * self.pool.page_size

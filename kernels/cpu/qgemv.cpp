@@ -526,6 +526,25 @@ void q8_linear_bf16_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor ou
   gemm_bf16(w, x.data_ptr<float>(), M, N, out.data_ptr<float>());
 }
 
+// out[M, N] = bf16(x) @ w^T for a bf16 weight already dequantized (a serving cache of the blocks):
+// one MKL call, threaded by MKL itself.
+void bf16_linear_out(at::Tensor x, at::Tensor w, at::Tensor out) {
+  TORCH_CHECK(bf16_gemm_available(), "this torch has no bf16 GEMM (bf16_gemm_available)");
+  TORCH_CHECK(w.dtype() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
+              "w must be a contiguous 2-d bfloat16 tensor");
+  const int64_t N = w.size(0), K = w.size(1);
+  check_x(x, K);
+  const int64_t M = x.size(0);
+  check_out(out, M, N);
+  if (M == 0 || N == 0) return;
+  std::vector<uint16_t> xb(M * K);
+  to_bf16(x.data_ptr<float>(), xb.data(), M * K);
+  cblas_gemm_bf16bf16f32(101, 111, 112, static_cast<int>(M), static_cast<int>(N),
+                         static_cast<int>(K), 1.0f, xb.data(), static_cast<int>(K),
+                         reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                         static_cast<int>(K), 0.0f, out.data_ptr<float>(), static_cast<int>(N));
+}
+
 at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
                          c10::optional<at::Tensor> zeros, int64_t group_size) {
   const int64_t K = check_q4(qs, d, m, zeros, group_size), N = qs.size(0);
@@ -563,6 +582,7 @@ TORCH_LIBRARY(tessera_quant, m) {
         &tessera::q8_linear_out);
   m.def("q8_dequantize(Tensor qs, Tensor d) -> Tensor", &tessera::q8_dequantize);
   m.def("bf16_gemm_available() -> bool", &tessera::bf16_gemm_available);
+  m.def("bf16_linear_out(Tensor x, Tensor w, Tensor(a!) out) -> ()", &tessera::bf16_linear_out);
   m.def("q4_linear_bf16_out(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? zeros, "
         "int group_size, Tensor(a!) out) -> ()", &tessera::q4_linear_bf16_out);
   m.def("q8_linear_bf16_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out) -> ()",

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.qgemm_bf16 import q4_linear_bf16, q8_linear_bf16
+from kernels.qgemm_bf16 import bf16_linear
 from kernels.qgemv import (
     BLOCK,
     q4_dequantize,
@@ -141,8 +141,10 @@ class BlockLinear(nn.Module):
     (prefill, mixed steps, large batches) the same float op dequantizes tiles of W into a
     cache-resident buffer and multiplies them by BLAS, never the whole matrix at once (see
     ops/bench/RESULTS.md). With `activations="bf16"`, past `bf16_min_rows` rows x and the
-    tiles are rounded to bf16 for the CPU's bf16 GEMM (`kernels.qgemm_bf16`, vLLM-CPU's
-    precision), ~4x the float32 GEMM here. Other dtypes or devices: dequantize and matmul.
+    weights are rounded to bf16 for the CPU's bf16 GEMM (`kernels.qgemm_bf16`, vLLM-CPU's
+    precision), ~4x the float32 GEMM here; the bf16 weights are a copy made on the first such
+    step and kept until `release_cache()` (the engine calls it when idle). Other dtypes or
+    devices: dequantize and matmul.
     Buffers are non-persistent: the planes come from the GGUF file, not from a state dict.
     """
 
@@ -157,6 +159,9 @@ class BlockLinear(nn.Module):
         self.activations = resolve_activations(activations)
         self.int8 = self.activations == "int8"
         self.bf16 = self.activations == "bf16"
+        # "bf16": the blocks dequantized to bf16 [out, in] while the engine is busy with many-row
+        # steps (2 bytes a weight), so they are not decoded again every step; None when idle.
+        self.bf16_weight: torch.Tensor | None = None
         self.kind = planes.kind
         self.in_features, self.out_features = planes.in_features, planes.out_features
         self.register_buffer("qs", planes.qs, persistent=False)
@@ -172,6 +177,11 @@ class BlockLinear(nn.Module):
     def planes(self) -> BlockPlanes:
         return BlockPlanes(self.kind, self.qs, self.d, self.m)
 
+    def release_cache(self) -> None:
+        """Drops the bf16 copy (rebuilt by the next many-row step); the engine calls it when
+        idle, so an idle worker holds only the blocks."""
+        self.bf16_weight = None
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.kind == "q4":
             return q4_dequantize(self.qs, self.d, self.m, BLOCK).to(dtype)
@@ -182,8 +192,9 @@ class BlockLinear(nn.Module):
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         rows = x.numel() // self.in_features
         if self.bf16 and rows > self.bf16_min_rows:
-            y = (q4_linear_bf16(x, self.qs, self.d, self.m, BLOCK) if self.kind == "q4"
-                 else q8_linear_bf16(x, self.qs, self.d))
+            if self.bf16_weight is None:  # NOTE: dropped again by release_cache() when idle
+                self.bf16_weight = self.dequantize(torch.bfloat16)
+            y = bf16_linear(x, self.bf16_weight)
         elif self.int8 and rows <= self.int8_max_rows:
             if self.kind == "q4":
                 y = q4_linear_i8(x, self.qs, self.d, self.m)

@@ -7,8 +7,10 @@ import torch
 
 from kernels.qgemm_bf16 import (
     bf16_gemm_available,
+    bf16_linear,
     q4_linear_bf16,
     q8_linear_bf16,
+    ref_bf16_linear,
     ref_q4_linear_bf16,
     ref_q8_linear_bf16,
 )
@@ -89,3 +91,20 @@ def test_bad_shapes_raise():
         q4_linear_bf16(torch.randn(20, 32), qs, d, None, 32)
     with pytest.raises(RuntimeError, match="scales"):
         q4_linear_bf16(torch.randn(20, 64), qs, torch.ones(3, 2, dtype=torch.float16), None, 32)
+
+
+def test_bf16_linear_over_a_dequantized_copy_equals_its_twin_and_the_tile_op():
+    gen = torch.Generator().manual_seed(14)
+    for n, k in SHAPES:
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        d = (torch.randn(n, k // 32, generator=gen) * 0.02).half()
+        m = (torch.randn(n, k // 32, generator=gen) * 0.1).half()
+        qs = pack_q4_blocks(codes)
+        w = ref_q4_linear(torch.eye(k), qs, d, m, 32).t().contiguous()  # [n, k] float32
+        wb = w.to(torch.bfloat16)
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=gen)
+            y = bf16_linear(x, wb)
+            assert y.dtype == torch.float32 and y.shape == (rows, n)
+            assert _close(y, ref_bf16_linear(x, wb), x, w), (n, k, rows)
+            assert _close(y, q4_linear_bf16(x, qs, d, m, 32), x, w), (n, k, rows)

@@ -121,3 +121,16 @@ def test_bf16_activations_round_only_past_their_row_threshold(type_name, one_tor
     bound = (many.abs() @ weight.abs().t()) * 1e-5 + 1e-6
     assert ((layer(many) - bf16).abs() <= bound).all()
     assert not torch.equal(layer(many), exact(many))
+
+
+def test_bf16_weight_copy_is_made_by_a_many_row_call_and_dropped_by_release(one_torch_thread):
+    raw = random_blocks(70, 18, "Q4_1", seed=5)
+    layer = BlockLinear(import_gguf_blocks(raw, "Q4_1"), activations="bf16")
+    layer(torch.randn(BlockLinear.bf16_min_rows, 576))
+    assert layer.bf16_weight is None  # decode-sized calls never make it
+    x = torch.randn(40, 576)
+    first = layer(x)
+    assert layer.bf16_weight is not None and layer.bf16_weight.dtype == torch.bfloat16
+    layer.release_cache()
+    assert layer.bf16_weight is None
+    assert torch.equal(layer(x), first)  # rebuilt the same
