@@ -146,7 +146,8 @@ class EngineConfig:
     # What blocks served as stored multiply on CPU: "float32" (exact up to summation order, the
     # default), "int8" (x rounded per block of 32 as llama.cpp does, VNNI kernels: faster, KL
     # ~4e-3 nats against the dense model, ops/bench/RESULTS.md), "auto" (int8 where built),
-    # "bf16" (past 16 rows x and dequantized weight tiles rounded to bf16 for the CPU's bf16 GEMM).
+    # "bf16" (past 16 rows x rounded to bf16 and a bf16 copy of the weights, kept while busy,
+    # for the CPU's bf16 GEMM).
     gguf_activations: str = "float32"
     num_threads: int | None = None  # CPU compute threads; None: as the process has them
     # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).

@@ -68,8 +68,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("gguf-activations", "GGUF blocks served as stored multiply float32 activations "
          "(exact) or int8 ones (rounded per block of 32 as llama.cpp does: faster, KL ~4e-3 "
          "against the dense model; 'auto' = int8 where the CPU has AVX-512 VNNI), or, past 16 "
-         "rows (prefill, large batches), bf16 ones and weight tiles (vLLM-CPU's precision, "
-         "the CPU's bf16 GEMM)",
+         "rows (prefill, large batches), bf16 ones over a bf16 copy of the weights kept while "
+         "busy (vLLM-CPU's precision, the CPU's bf16 GEMM)",
          _DEFAULTS.gguf_activations, choices=("auto", "int8", "float32", "bf16")),
     Flag("worker-threads", "CPU threads one engine computes on (default: every core this "
          "process may run on; `serve` splits them evenly among --max-workers)", None, int),
