@@ -74,7 +74,7 @@ class RotaryEmbedding(nn.Module):
             self._cos, self._sin = freqs.cos(), freqs.sin()
         return self._cos, self._sin
 
-    def _cos_sin(self, positions: torch.Tensor,
+    def cos_sin(self, positions: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `positions`, [tokens, 1, head_dim / 2] in `dtype`, looked up once per
         step (every layer rotates at the same positions)."""
@@ -91,7 +91,7 @@ class RotaryEmbedding(nn.Module):
         # of strided halves ran 4-6x slower at 32+ tokens.
         out = []
         for x in xs:
-            cos, sin = self._cos_sin(positions, x.dtype)
+            cos, sin = self.cos_sin(positions, x.dtype)
             x1, x2 = x[..., : self.half], x[..., self.half :]
             out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
         return out

@@ -1,0 +1,131 @@
+// One decode step through every layer of a Llama-family decoder in one call: the ops of
+// runtime/models/llama.py (LlamaDecoderLayer.forward over block weights and paged KV), the
+// same kernels in the same order, with no Python between them. At one sequence the Python and
+// dispatch between a step's ~700 small ops cost about as much as its matmuls (issue 16).
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace tessera {
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+// (q8, int8 activations, qs, d, m, bias): a BlockLinear's planes (runtime/quant/blocks.py).
+using ProjSpec = std::tuple<bool, bool, at::Tensor, at::Tensor, OptTensor, OptTensor>;
+// (k, v, k_scale, v_scale, hadamard, k_shift, k_divisor, v_divisor): runtime.kv LayerKV.
+using KVSpec = std::tuple<at::Tensor, at::Tensor, OptTensor, OptTensor, bool, OptTensor,
+                          OptTensor, OptTensor>;
+
+struct BlockProj {
+  bool q8, int8;
+  at::Tensor qs, d;
+  OptTensor m, bias;
+
+  explicit BlockProj(const ProjSpec& s)
+      : q8(std::get<0>(s)), int8(std::get<1>(s)), qs(std::get<2>(s)), d(std::get<3>(s)),
+        m(std::get<4>(s)), bias(std::get<5>(s)) {
+    TORCH_CHECK(q8 || m.has_value(), "Q4 planes need their offsets (m)");
+  }
+
+  // x: [T, K] float32 contiguous -> [T, N]; BlockLinear.forward's choice of kernel.
+  at::Tensor operator()(const at::Tensor& x, int64_t int8_max_rows) const {
+    at::Tensor y = at::empty({x.size(0), qs.size(0)}, x.options());
+    const bool i8 = int8 && x.size(0) <= int8_max_rows;
+    if (q8) {
+      i8 ? q8_linear_i8_out(x, qs, d, y) : q8_linear_out(x, qs, d, y);
+    } else {
+      i8 ? q4_linear_i8_out(x, qs, d, *m, y) : q4_linear_out(x, qs, d, m, c10::nullopt, 32, y);
+    }
+    return bias.has_value() ? y.add_(*bias) : y;
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  BlockProj qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;
+  OptTensor k_scale, v_scale;
+  bool hadamard;
+  OptTensor k_shift, k_divisor, v_divisor;
+};
+
+}  // namespace
+
+class LlamaDecode {
+ public:
+  LlamaDecode(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+              int64_t int8_max_rows)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        int8_max_rows_(int8_max_rows) {
+    TORCH_CHECK(head_dim % 2 == 0 && heads % kv_heads == 0, "bad attention shape");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, const ProjSpec& qkv,
+                 const ProjSpec& o, const ProjSpec& gate_up, const ProjSpec& down,
+                 const KVSpec& kv) {
+    layers_.push_back(Layer{input_norm, post_norm, BlockProj(qkv), BlockProj(o),
+                            BlockProj(gate_up), BlockProj(down), std::get<0>(kv), std::get<1>(kv),
+                            std::get<2>(kv), std::get<3>(kv), std::get<4>(kv), std::get<5>(kv),
+                            std::get<6>(kv), std::get<7>(kv)});
+  }
+
+  // x: [T, hidden] float32, the embedded tokens (updated in place: the residual stream);
+  // cos, sin: [T, 1, head_dim / 2] at the tokens' positions; slots: [T] int64;
+  // page_table: [T, max_pages] int64; context_lens: [T] int64. Returns the hidden states
+  // [T, hidden] before the final norm (x itself).
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& slots, const at::Tensor& page_table,
+                     const at::Tensor& context_lens) const {
+    c10::InferenceMode guard;
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "x must be a contiguous [tokens, hidden] float32 tensor");
+    const int64_t T = x.size(0), D = head_dim_, half = D / 2;
+    const int64_t q_size = heads_ * D, qk_size = q_size + kv_heads_ * D;
+    OptTensor pending;
+    for (const Layer& l : layers_) {
+      at::Tensor h = add_rms_norm(x, pending, l.input_norm, eps_);
+      const at::Tensor qkv = l.qkv(h, int8_max_rows_);
+      // q and k heads are adjacent in qkv: rotated together (rotate-half), as RotaryEmbedding.
+      at::Tensor qk = qkv.slice(1, 0, qk_size).view({T, heads_ + kv_heads_, D});
+      const at::Tensor x1 = qk.slice(2, 0, half), x2 = qk.slice(2, half);
+      qk = at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
+      const at::Tensor q = qk.slice(1, 0, heads_), k = qk.slice(1, heads_);
+      const at::Tensor v = qkv.slice(1, qk_size).view({T, kv_heads_, D});
+      store_kv_rows(k, l.k_cache, slots, l.k_scale, l.hadamard, l.k_shift, l.k_divisor);
+      store_kv_rows(v, l.v_cache, slots, l.v_scale, l.hadamard, c10::nullopt, l.v_divisor);
+      const at::Tensor attn =
+          paged_decode_attention(q, l.k_cache, l.v_cache, page_table, context_lens, scale_,
+                                 l.k_scale, l.v_scale, l.hadamard, l.k_divisor, l.v_divisor);
+      h = add_rms_norm(x, l.o(attn, int8_max_rows_), l.post_norm, eps_);
+      const std::vector<at::Tensor> gate_up = l.gate_up(h, int8_max_rows_).chunk(2, -1);
+      pending = l.down(at::silu(gate_up[0]) * gate_up[1], int8_max_rows_);
+    }
+    return pending.has_value() ? x.add_(*pending) : x;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+  int64_t int8_max_rows_;
+  std::vector<Layer> layers_;
+};
+
+void bind_llama_decode(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<LlamaDecode>(m, "LlamaDecode")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>(), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
+           py::arg("int8_max_rows"))
+      .def("add_layer", &LlamaDecode::add_layer)
+      .def("num_layers", &LlamaDecode::num_layers)
+      // NOTE: the GIL is released for the step: the worker's gRPC and asyncio threads run
+      // beside it (tensors are reference-counted in C++, no Python object is touched).
+      .def("forward", &LlamaDecode::forward, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace tessera

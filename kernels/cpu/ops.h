@@ -1,0 +1,25 @@
+// The ops other translation units call (the bindings in ops.cpp, the fused decode step in
+// decode_llama.cpp); each is defined in its own file.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace tessera {
+at::Tensor gather_e4m3_rows(at::Tensor flat, at::Tensor rows);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor page_table, at::Tensor context_lens, double scale,
+                                  c10::optional<at::Tensor> k_scale,
+                                  c10::optional<at::Tensor> v_scale, bool hadamard,
+                                  c10::optional<at::Tensor> q_scale,
+                                  c10::optional<at::Tensor> out_scale);
+void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
+                   c10::optional<at::Tensor> scale, bool hadamard,
+                   c10::optional<at::Tensor> shift, c10::optional<at::Tensor> divisor);
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight,
+                        double eps);
+void q4_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                   c10::optional<at::Tensor> zeros, int64_t group_size, at::Tensor out);
+void q8_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out);
+void q4_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m, at::Tensor out);
+void q8_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out);
+}  // namespace tessera

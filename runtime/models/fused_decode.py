@@ -1,0 +1,68 @@
+"""The fused decode step for Llama-family models served from GGUF blocks on CPU
+(`kernels.decode_llama`): when it applies, and its build from a model and its KV cache.
+
+It applies to an all-decode step (no prefill chunk, one decode group) of a model whose four
+projections in every layer are `BlockLinear`s with no hooks (tensor-parallel shards add an
+all-reduce hook) and whose activations stay in float32 or int8 at the step's row count
+(bf16's many-row path runs in Python). Otherwise the model's Python forward runs; both give
+the same numbers (tests/runtime/test_fused_decode.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.decode_llama import (
+    BlockProjSpec,
+    DecodeLayerSpec,
+    FusedLlamaDecode,
+    fused_decode_available,
+)
+from runtime.models.layers import RotaryEmbedding
+from runtime.quant.blocks import BlockLinear
+
+
+def _proj(linear: nn.Module) -> BlockProjSpec | None:
+    if (type(linear) is not BlockLinear or linear._forward_hooks or linear._forward_pre_hooks
+            or linear.qs.device.type != "cpu"):
+        return None
+    bias = None if linear.bias is None else linear.bias.detach()
+    if bias is not None and bias.dtype != torch.float32:
+        return None
+    return BlockProjSpec(linear.kind == "q8", linear.int8, linear.qs, linear.d, linear.m, bias)
+
+
+def max_fused_rows(model: nn.Module) -> int:
+    """The most decode rows the fused step serves: with bf16 activations, past
+    `BlockLinear.bf16_min_rows` the projections leave the float32 kernels."""
+    first = model.layers[0].self_attn.qkv_proj
+    return BlockLinear.bf16_min_rows if getattr(first, "bf16", False) else 1 << 30
+
+
+def build_fused_decode(model: nn.Module, kv_cache: object) -> FusedLlamaDecode | None:
+    """The fused step over a `LlamaModel`'s layers and `kv_cache`'s pages, or None where it does not
+    apply (see the module docstring)."""
+    if not fused_decode_available():
+        return None
+    specs: list[DecodeLayerSpec] = []
+    for index, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        projs = [_proj(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if (None in projs or hooked or type(attn.rotary) is not RotaryEmbedding
+                or any(w.dtype != torch.float32 for w in norms)):
+            return None
+        kv = kv_cache.layer(index)  # type: ignore[attr-defined]
+        if kv.v is None:
+            return None
+        qkv, o, gate_up, down = projs
+        assert qkv is not None and o is not None and gate_up is not None and down is not None
+        specs.append(DecodeLayerSpec(norms[0].detach(), norms[1].detach(), qkv, o, gate_up,
+                                     down, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.hadamard,
+                                     kv.k_shift, kv.k_channel_scale, kv.v_channel_scale))
+    first = model.layers[0].self_attn
+    eps = model.layers[0].input_layernorm.eps
+    return FusedLlamaDecode(first.num_heads, first.num_kv_heads, first.head_dim, eps,
+                            first.attn.scale, BlockLinear.int8_max_rows, specs)
