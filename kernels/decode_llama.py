@@ -4,8 +4,9 @@ rotate-half RoPE, the KV store, paged decode attention, o_proj, add + norm, gate
 and down_proj, the same kernels in the same order as the model's Python forward
 (`runtime/models/llama.py`), which is its twin and test oracle. What it removes is the Python
 and per-op dispatch between ~25 ops a layer: at one sequence, on one thread, a whole engine
-step went from 38.9 to 28.7 ms (ops/bench/RESULTS.md, issue 16). CPU only, float32 activations in, weights as
-GGUF blocks (`kernels.qgemv`, `kernels.qgemv_i8`), pages in any of the cache's formats.
+step went from 38.9 to 28.7 ms (ops/bench/RESULTS.md, issue 16). CPU only: float32
+activations in, weights as GGUF blocks (`kernels.qgemv`, `kernels.qgemv_i8`), pages in any of
+the cache's formats.
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ from kernels.cpu_ops import native
 @dataclass(frozen=True)
 class BlockProjSpec:
     """A block-weight projection: Q4 (`qs`, `d`, `m`) or Q8 (`qs`, `d`) planes as
-    `kernels.qgemv` lays them out, an optional float32 bias, and whether x is rounded to int8
-    for the VNNI kernels (`kernels.qgemv_i8`) at up to `int8_max_rows` rows."""
+    `kernels.qgemv` lays them out, an optional float32 bias, and in how many int8 limbs x goes
+    to the VNNI kernels (`kernels.qgemv_i8`) at up to `int8_max_rows` rows (0: float32 x)."""
 
     q8: bool
-    int8: bool
+    limbs: int
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
     bias: torch.Tensor | None
 
     def as_tuple(self) -> tuple[object, ...]:
-        return (self.q8, self.int8, self.qs, self.d, self.m, self.bias)
+        return (self.q8, self.limbs, self.qs, self.d, self.m, self.bias)
 
 
 @dataclass(frozen=True)

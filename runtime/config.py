@@ -143,12 +143,13 @@ class EngineConfig:
     # GGUF files: serve Q4_0/Q4_1/Q8_0 tensors as stored ("stored"), dequantize them to the
     # compute dtype at load ("dequantize"), or "auto": stored where the C++ kernels run (CPU).
     gguf_weights: str = "auto"
-    # What blocks served as stored multiply on CPU: "float32" (exact up to summation order, the
-    # default), "int8" (x rounded per block of 32 as llama.cpp does, VNNI kernels: faster, KL
-    # ~4e-3 nats against the dense model, ops/bench/RESULTS.md), "auto" (int8 where built),
-    # "bf16" (past 16 rows x rounded to bf16 and a bf16 copy of the weights, kept while busy,
-    # for the CPU's bf16 GEMM).
-    gguf_activations: str = "float32"
+    # What blocks served as stored multiply on CPU: "float32" (exact up to summation order),
+    # "int8x2" (x as two int8 limbs per block of 32 for the VNNI kernels: KL 5e-8 nats against
+    # the dense model, faster), "int8" (one limb, as llama.cpp does: faster still, KL ~3e-3;
+    # ops/bench/RESULTS.md), "auto" (the default: int8x2 where the CPU has AVX-512 VNNI, else
+    # float32), "bf16" (past 16 rows x rounded to bf16 and a bf16 copy of the weights, kept
+    # while busy, for the CPU's bf16 GEMM).
+    gguf_activations: str = "auto"
     num_threads: int | None = None  # CPU compute threads; None: as the process has them
     # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).
     tensor_parallel_size: int = 1
@@ -175,9 +176,9 @@ class EngineConfig:
         if self.gguf_weights not in ("auto", "stored", "dequantize"):
             raise InvalidArgument(f"gguf_weights must be auto, stored or dequantize, got "
                                   f"{self.gguf_weights!r}", field="gguf_weights")
-        if self.gguf_activations not in ("auto", "int8", "float32", "bf16"):
-            raise InvalidArgument(f"gguf_activations must be auto, int8, float32 or bf16, got "
-                                  f"{self.gguf_activations!r}", field="gguf_activations")
+        if self.gguf_activations not in ("auto", "int8", "int8x2", "float32", "bf16"):
+            raise InvalidArgument(f"gguf_activations must be auto, int8, int8x2, float32 or bf16, "
+                                  f"got {self.gguf_activations!r}", field="gguf_activations")
         if self.integrity not in ("tags", "off"):
             raise InvalidArgument(f"integrity must be 'tags' or 'off', got {self.integrity!r}",
                                   field="integrity")

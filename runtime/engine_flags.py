@@ -66,11 +66,12 @@ FLAGS: tuple[Flag, ...] = (
          "them at load ('auto' = stored where the C++ CPU kernels run)", _DEFAULTS.gguf_weights,
          choices=("auto", "stored", "dequantize")),
     Flag("gguf-activations", "GGUF blocks served as stored multiply float32 activations "
-         "(exact) or int8 ones (rounded per block of 32 as llama.cpp does: faster, KL ~4e-3 "
-         "against the dense model; 'auto' = int8 where the CPU has AVX-512 VNNI), or, past 16 "
-         "rows (prefill, large batches), bf16 ones over a bf16 copy of the weights kept while "
-         "busy (vLLM-CPU's precision, the CPU's bf16 GEMM)",
-         _DEFAULTS.gguf_activations, choices=("auto", "int8", "float32", "bf16")),
+         "(exact up to summation order), int8x2 ones (two int8 limbs per block of 32 for VNNI "
+         "dot products: KL 5e-8 against the dense model, faster), int8 ones (one limb, as "
+         "llama.cpp does: faster still, KL ~3e-3), or, past 16 rows (prefill, large batches), "
+         "bf16 ones over a bf16 copy of the weights kept while busy (vLLM-CPU's precision, the "
+         "CPU's bf16 GEMM); 'auto' = int8x2 where the CPU has AVX-512 VNNI, else float32",
+         _DEFAULTS.gguf_activations, choices=("auto", "int8", "int8x2", "float32", "bf16")),
     Flag("worker-threads", "CPU threads one engine computes on (default: every core this "
          "process may run on; `serve` splits them evenly among --max-workers)", None, int),
     Flag("serving-config", 'JSON file: {"prefill": {"weights": "fp8", "kv_cache_dtype": '
@@ -128,6 +129,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                         tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
                         gguf_weights=getattr(args, "gguf_weights", "auto"),
-                        gguf_activations=getattr(args, "gguf_activations", "float32"),
+                        gguf_activations=getattr(args, "gguf_activations", "auto"),
                         num_threads=resolve_num_threads(args.worker_threads),
                         **format_kwargs(args))

@@ -28,7 +28,7 @@ class LLM:
                  prefill_kv_cache_dtype: str = "auto", prefill_weights: str = "auto",
                  decode_weights: str = "auto", weight_group_size: int = 128,
                  weight_symmetric: bool = True, tensor_parallel_size: int = 1,
-                 gguf_weights: str = "auto", gguf_activations: str = "float32") -> None:
+                 gguf_weights: str = "auto", gguf_activations: str = "auto") -> None:
         config = EngineConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,

@@ -13,19 +13,21 @@ namespace tessera {
 namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
-// (q8, int8 activations, qs, d, m, bias): a BlockLinear's planes (runtime/quant/blocks.py).
-using ProjSpec = std::tuple<bool, bool, at::Tensor, at::Tensor, OptTensor, OptTensor>;
+// (q8, int8 limbs of x (0: float32 x), qs, d, m, bias): a BlockLinear's planes
+// (runtime/quant/blocks.py).
+using ProjSpec = std::tuple<bool, int64_t, at::Tensor, at::Tensor, OptTensor, OptTensor>;
 // (k, v, k_scale, v_scale, hadamard, k_shift, k_divisor, v_divisor): runtime.kv LayerKV.
 using KVSpec = std::tuple<at::Tensor, at::Tensor, OptTensor, OptTensor, bool, OptTensor,
                           OptTensor, OptTensor>;
 
 struct BlockProj {
-  bool q8, int8;
+  bool q8;
+  int64_t limbs;
   at::Tensor qs, d;
   OptTensor m, bias;
 
   explicit BlockProj(const ProjSpec& s)
-      : q8(std::get<0>(s)), int8(std::get<1>(s)), qs(std::get<2>(s)), d(std::get<3>(s)),
+      : q8(std::get<0>(s)), limbs(std::get<1>(s)), qs(std::get<2>(s)), d(std::get<3>(s)),
         m(std::get<4>(s)), bias(std::get<5>(s)) {
     TORCH_CHECK(q8 || m.has_value(), "Q4 planes need their offsets (m)");
   }
@@ -33,11 +35,13 @@ struct BlockProj {
   // x: [T, K] float32 contiguous -> [T, N]; BlockLinear.forward's choice of kernel.
   at::Tensor operator()(const at::Tensor& x, int64_t int8_max_rows) const {
     at::Tensor y = at::empty({x.size(0), qs.size(0)}, x.options());
-    const bool i8 = int8 && x.size(0) <= int8_max_rows;
+    const bool i8 = limbs > 0 && x.size(0) <= int8_max_rows;
     if (q8) {
-      i8 ? q8_linear_i8_out(x, qs, d, y) : q8_linear_out(x, qs, d, y);
+      i8 ? q8_linear_i8_out(x, qs, d, y, limbs) : q8_linear_out(x, qs, d, y);
+    } else if (i8) {
+      q4_linear_i8_out(x, qs, d, *m, y, limbs);
     } else {
-      i8 ? q4_linear_i8_out(x, qs, d, *m, y) : q4_linear_out(x, qs, d, m, c10::nullopt, 32, y);
+      q4_linear_out(x, qs, d, m, c10::nullopt, 32, y);
     }
     return bias.has_value() ? y.add_(*bias) : y;
   }

@@ -20,6 +20,8 @@ at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tenso
 void q4_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
                    c10::optional<at::Tensor> zeros, int64_t group_size, at::Tensor out);
 void q8_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out);
-void q4_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m, at::Tensor out);
-void q8_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out);
+void q4_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m, at::Tensor out,
+                      int64_t limbs);
+void q8_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out,
+                      int64_t limbs);
 }  // namespace tessera

@@ -10,6 +10,10 @@
 //
 // The only error against the fp32 kernel is x's rounding to int8 (the weights are used as
 // stored); kernels/qgemv_i8.py's `ref_q4_linear_i8` / `ref_q8_linear_i8` are the twins.
+// With limbs = 2, x is held as two int8 limbs per block: the first as above, the second the
+// rounding residual r = x - dx xq quantized the same way (dx2 = amax(r) / 127 <= dx / 254), so
+// x is carried to ~1.6e-5 of its block's amax instead of ~4e-3; every dot runs twice over the
+// weights unpacked once.
 // x's quantized copy is laid out for the weights it meets (kernel-private, rebuilt per call):
 // per quad of blocks, 128 bytes, the first halves (weights 0..15) of the 4 blocks, then their
 // second halves. Q4 weights need only a mask (low nibbles = first halves) and a shift + mask
@@ -61,10 +65,10 @@ void check_i8_shapes(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 // multiplies nothing, its int8 values and scales being 0.
 struct QuantX {
   int64_t nb = 0, quads = 0, chunks = 0;  // per row: blocks, quads, chunks of 16 blocks
-  std::vector<int8_t> q;       // [M, quads * 128]
-  std::vector<float> dxe;      // [M, quads * 16]: each dot lane's block dx
-  std::vector<float> sx;       // Q4: [M, chunks * 16] dx * sum(xq) per block
-  std::vector<int32_t> corr;   // Q8: [M, quads * 16] -128 * sum of the 8 xq a lane meets
+  std::vector<int8_t> q, q2;   // [M, quads * 128] (q2: the second limb, when limbs == 2)
+  std::vector<float> dxe, dxe2;  // [M, quads * 16]: each dot lane's block dx (dx2)
+  std::vector<float> sx;       // Q4: [M, chunks * 16] dx * sum(xq) (+ dx2 * sum(xq2)) per block
+  std::vector<int32_t> corr, corr2;  // Q8: [M, quads * 16] -128 * sum of the 8 xq a lane meets
   int64_t q_stride() const { return quads * 128; }
   int64_t lane_stride() const { return quads * 16; }
   int64_t sx_stride() const { return chunks * 16; }
@@ -87,39 +91,66 @@ inline float quantize_block(const float* x, int8_t* xq) {
   return amax / 127.0f;
 }
 
-void quantize_x(const float* x, int64_t M, int64_t K, bool q8, QuantX& out) {
+// The residual of a quantized block, r = x - dx * xq, each element rounded once (fnmadd).
+inline void block_residual(const float* x, const int8_t* xq, float dx, float* r) {
+  const __m512 d = _mm512_set1_ps(dx);
+  for (int h = 0; h < 2; ++h) {
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16 * h))));
+    _mm512_storeu_ps(r + 16 * h, _mm512_fnmadd_ps(d, q, _mm512_loadu_ps(x + 16 * h)));
+  }
+}
+
+// One limb's block into the quad layout, its lanes' dx, and its Q8 lane corrections.
+inline int32_t place_block(const int8_t* blk, float dx, int64_t b, bool q8, int8_t* q,
+                           float* dxe, int32_t* corr) {
+  const int64_t quad = b / 4, bi = b % 4;
+  std::copy(blk, blk + 16, q + quad * 128 + bi * 16);
+  std::copy(blk + 16, blk + 32, q + quad * 128 + 64 + bi * 16);
+  for (int l = 0; l < 4; ++l) dxe[b * 4 + l] = dx;
+  if (q8) {
+    for (int l = 0; l < 4; ++l) {
+      int32_t s = 0;
+      for (int j = 0; j < 4; ++j) s += blk[4 * l + j] + blk[16 + 4 * l + j];
+      corr[b * 4 + l] = -128 * s;
+    }
+  }
+  int32_t sum = 0;
+  for (int j = 0; j < kBlock; ++j) sum += blk[j];
+  return sum;
+}
+
+void quantize_x(const float* x, int64_t M, int64_t K, bool q8, int limbs, QuantX& out) {
   out.nb = K / kBlock;
   out.quads = (out.nb + 3) / 4;
   out.chunks = (out.nb + 15) / 16;
+  const int64_t lanes = M * out.lane_stride();
   out.q.assign(M * out.q_stride(), 0);
-  out.dxe.assign(M * out.lane_stride(), 0.0f);
-  if (q8) {
-    out.corr.assign(M * out.lane_stride(), 0);
-  } else {
-    out.sx.assign(M * out.sx_stride(), 0.0f);
-  }
-  int8_t blk[kBlock];
+  out.dxe.assign(lanes, 0.0f);
+  out.q2.assign(limbs == 2 ? M * out.q_stride() : 0, 0);
+  out.dxe2.assign(limbs == 2 ? lanes : 0, 0.0f);
+  out.corr.assign(q8 ? lanes : 0, 0);
+  out.corr2.assign(q8 && limbs == 2 ? lanes : 0, 0);
+  out.sx.assign(q8 ? 0 : M * out.sx_stride(), 0.0f);
+  int8_t blk[kBlock], blk2[kBlock];
+  float residual[kBlock];
   for (int64_t i = 0; i < M; ++i) {
-    int8_t* q = out.q.data() + i * out.q_stride();
-    float* dxe = out.dxe.data() + i * out.lane_stride();
+    const int64_t qi = i * out.q_stride(), li = i * out.lane_stride();
     for (int64_t b = 0; b < out.nb; ++b) {
-      const float dx = quantize_block(x + i * K + b * kBlock, blk);
-      const int64_t quad = b / 4, bi = b % 4;
-      std::copy(blk, blk + 16, q + quad * 128 + bi * 16);
-      std::copy(blk + 16, blk + 32, q + quad * 128 + 64 + bi * 16);
-      for (int l = 0; l < 4; ++l) dxe[b * 4 + l] = dx;
-      if (q8) {
-        int32_t* corr = out.corr.data() + i * out.lane_stride() + b * 4;
-        for (int l = 0; l < 4; ++l) {
-          int32_t s = 0;
-          for (int j = 0; j < 4; ++j) s += blk[4 * l + j] + blk[16 + 4 * l + j];
-          corr[l] = -128 * s;
-        }
-      } else {
-        int32_t sum = 0;
-        for (int j = 0; j < kBlock; ++j) sum += blk[j];
-        out.sx[i * out.sx_stride() + b] = dx * static_cast<float>(sum);
+      const float* xb = x + i * K + b * kBlock;
+      const float dx = quantize_block(xb, blk);
+      const int32_t sum = place_block(blk, dx, b, q8, out.q.data() + qi, out.dxe.data() + li,
+                                      q8 ? out.corr.data() + li : nullptr);
+      float sx = dx * static_cast<float>(sum);
+      if (limbs == 2) {
+        block_residual(xb, blk, dx, residual);
+        const float dx2 = quantize_block(residual, blk2);
+        const int32_t sum2 =
+            place_block(blk2, dx2, b, q8, out.q2.data() + qi, out.dxe2.data() + li,
+                        q8 ? out.corr2.data() + li : nullptr);
+        sx += dx2 * static_cast<float>(sum2);
       }
+      if (!q8) out.sx[i * out.sx_stride() + b] = sx;
     }
   }
 }
@@ -171,8 +202,8 @@ struct Q8Planes {
   }
 };
 
-// MR rows of x from i0 against NR weight rows from n0: y[i, n].
-template <typename W, int MR, int NR>
+// MR rows of x from i0 against NR weight rows from n0: y[i, n]; L limbs of x.
+template <typename W, int MR, int NR, int L>
 void tile(const W& w, const QuantX& x, int64_t i0, int64_t n0, float* y, int64_t ldy) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -208,12 +239,26 @@ void tile(const W& w, const QuantX& x, int64_t i0, int64_t n0, float* y, int64_t
         const __m512i xl = _mm512_loadu_si512(xq), xh = _mm512_loadu_si512(xq + 64);
         const int64_t lane = (i0 + i) * x.lane_stride() + b * 4;
         const __m512 dxe = _mm512_loadu_ps(x.dxe.data() + lane);
-        __m512i start = _mm512_setzero_si512();
+        __m512i start = _mm512_setzero_si512(), start2 = _mm512_setzero_si512();
         if constexpr (W::kQ8) start = _mm512_loadu_si512(x.corr.data() + lane);
+        __m512i xl2 = xl, xh2 = xh;
+        __m512 dxe2 = dxe;
+        if constexpr (L == 2) {
+          const int8_t* xq2 = x.q2.data() + (i0 + i) * x.q_stride() + b * 32;
+          xl2 = _mm512_loadu_si512(xq2);
+          xh2 = _mm512_loadu_si512(xq2 + 64);
+          dxe2 = _mm512_loadu_ps(x.dxe2.data() + lane);
+          if constexpr (W::kQ8) start2 = _mm512_loadu_si512(x.corr2.data() + lane);
+        }
         for (int r = 0; r < NR; ++r) {
           const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo[r], xl), hi[r], xh);
-          acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dxe), dwe[r],
-                                      acc[i][r]);
+          __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s), dxe);
+          if constexpr (L == 2) {
+            const __m512i s2 =
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start2, lo[r], xl2), hi[r], xh2);
+            v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), dxe2, v);
+          }
+          acc[i][r] = _mm512_fmadd_ps(v, dwe[r], acc[i][r]);
         }
       }
     }
@@ -222,15 +267,15 @@ void tile(const W& w, const QuantX& x, int64_t i0, int64_t n0, float* y, int64_t
     for (int r = 0; r < NR; ++r) y[(i0 + i) * ldy + n0 + r] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
-template <typename W, int MR, int NR>
+template <typename W, int MR, int NR, int L>
 void rows_tile(const W& w, const QuantX& x, int64_t i0, int64_t n_begin, int64_t n_end,
                float* y, int64_t ldy) {
   int64_t n = n_begin;
-  for (; n + NR <= n_end; n += NR) tile<W, MR, NR>(w, x, i0, n, y, ldy);
-  for (; n < n_end; ++n) tile<W, MR, 1>(w, x, i0, n, y, ldy);
+  for (; n + NR <= n_end; n += NR) tile<W, MR, NR, L>(w, x, i0, n, y, ldy);
+  for (; n < n_end; ++n) tile<W, MR, 1, L>(w, x, i0, n, y, ldy);
 }
 
-template <typename W>
+template <typename W, int L>
 void gemm_i8(const W& w, const QuantX& x, int64_t M, int64_t N, int64_t K, float* y) {
   // ~32 KiB of weight bytes per task at least: small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(K, 1));
@@ -240,11 +285,23 @@ void gemm_i8(const W& w, const QuantX& x, int64_t M, int64_t N, int64_t K, float
     for (int64_t n0 = begin; n0 < end; n0 += kRowChunk) {
       const int64_t n1 = std::min(end, n0 + kRowChunk);
       int64_t i = 0;
-      for (; i + 4 <= M; i += 4) rows_tile<W, 4, 3>(w, x, i, n0, n1, y, N);
-      if (M - i >= 2) { rows_tile<W, 2, 4>(w, x, i, n0, n1, y, N); i += 2; }
-      if (M - i >= 1) { rows_tile<W, 1, 4>(w, x, i, n0, n1, y, N); i += 1; }
+      for (; i + 4 <= M; i += 4) rows_tile<W, 4, 3, L>(w, x, i, n0, n1, y, N);
+      if (M - i >= 2) { rows_tile<W, 2, 4, L>(w, x, i, n0, n1, y, N); i += 2; }
+      if (M - i >= 1) { rows_tile<W, 1, 4, L>(w, x, i, n0, n1, y, N); i += 1; }
     }
   });
+}
+
+template <typename W>
+void gemm_limbs(const W& w, const float* x, int64_t M, int64_t N, int64_t K, bool q8,
+                int64_t limbs, float* y) {
+  thread_local QuantX xq;
+  quantize_x(x, M, K, q8, static_cast<int>(limbs), xq);
+  if (limbs == 2) {
+    gemm_i8<W, 2>(w, xq, M, N, K, y);
+  } else {
+    gemm_i8<W, 1>(w, xq, M, N, K, y);
+  }
 }
 #endif  // TESSERA_I8
 
@@ -259,7 +316,8 @@ bool int8_kernels() {
 }
 
 // Every element of `out` is written (the tests poison it first).
-void q4_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m, at::Tensor out) {
+void q4_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m, at::Tensor out,
+                      int64_t limbs) {
   TORCH_CHECK(qs.dtype() == at::kByte && qs.dim() == 2 && qs.is_contiguous(),
               "qs must be a contiguous 2-d uint8 tensor");
   const int64_t K = qs.size(1) * 2, N = qs.size(0), M = x.size(0);
@@ -267,28 +325,27 @@ void q4_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m, a
   TORCH_CHECK(m.dtype() == at::kHalf && m.sizes() == d.sizes() && m.is_contiguous(),
               "offsets must be contiguous float16 of the scales' shape");
   TORCH_CHECK(int8_kernels(), "int8 kernels are not built for this CPU (no AVX-512 VNNI)");
+  TORCH_CHECK(limbs == 1 || limbs == 2, "limbs must be 1 or 2, got ", limbs);
 #ifdef TESSERA_I8
   if (M == 0 || N == 0) return;
-  thread_local QuantX xq;
-  quantize_x(x.data_ptr<float>(), M, K, false, xq);
   const Q4Planes w{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(),
                    K / kBlock};
-  gemm_i8(w, xq, M, N, K, out.data_ptr<float>());
+  gemm_limbs(w, x.data_ptr<float>(), M, N, K, false, limbs, out.data_ptr<float>());
 #endif
 }
 
-void q8_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out) {
+void q8_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out,
+                      int64_t limbs) {
   TORCH_CHECK(qs.dtype() == at::kChar && qs.dim() == 2 && qs.is_contiguous(),
               "qs must be a contiguous 2-d int8 tensor");
   const int64_t K = qs.size(1), N = qs.size(0), M = x.size(0);
   check_i8_shapes(x, qs, d, out, K);
   TORCH_CHECK(int8_kernels(), "int8 kernels are not built for this CPU (no AVX-512 VNNI)");
+  TORCH_CHECK(limbs == 1 || limbs == 2, "limbs must be 1 or 2, got ", limbs);
 #ifdef TESSERA_I8
   if (M == 0 || N == 0) return;
-  thread_local QuantX xq;
-  quantize_x(x.data_ptr<float>(), M, K, true, xq);
   const Q8Planes w{qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), nullptr, K / kBlock};
-  gemm_i8(w, xq, M, N, K, out.data_ptr<float>());
+  gemm_limbs(w, x.data_ptr<float>(), M, N, K, true, limbs, out.data_ptr<float>());
 #endif
 }
 
@@ -296,8 +353,8 @@ void q8_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out)
 
 TORCH_LIBRARY_FRAGMENT(tessera_quant, m) {
   m.def("int8_kernels() -> bool", &tessera::int8_kernels);
-  m.def("q4_linear_i8_out(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor(a!) out) -> ()",
-        &tessera::q4_linear_i8_out);
-  m.def("q8_linear_i8_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out) -> ()",
+  m.def("q4_linear_i8_out(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor(a!) out, "
+        "int limbs=1) -> ()", &tessera::q4_linear_i8_out);
+  m.def("q8_linear_i8_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out, int limbs=1) -> ()",
         &tessera::q8_linear_i8_out);
 }

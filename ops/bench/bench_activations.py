@@ -13,19 +13,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
 from ops.bench.bench_step import PROMPT, _engine
-from runtime.quant.blocks import BlockLinear
+from runtime.quant.blocks import INT8_LIMBS, BlockLinear
 from runtime.sampling_params import SamplingParams
 
-KINDS = ("float32", "int8", "bf16")
+KINDS = ("float32", "int8", "int8x2", "bf16")
 
 
-def _switch(blocks: list[BlockLinear], kind: str) -> None:
+def _switch(engine: Any, blocks: list[BlockLinear], kind: str) -> None:
     for m in blocks:
-        m.activations, m.int8, m.bf16 = kind, kind == "int8", kind == "bf16"
+        m.activations, m.bf16 = kind, kind == "bf16"
+        m.limbs = INT8_LIMBS.get(kind, 0)
+        m.int8 = m.limbs > 0
+    engine.decode_model.model._fused = None  # the fused decode step is rebuilt for the kind
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         arrivals = 0
         for _ in range(args.rounds):
             for kind in args.kinds:
-                _switch(blocks, kind)
+                _switch(engine, blocks, kind)
                 engine.step()  # first step after the switch: not timed
                 for _ in range(args.steps):
                     if args.mixed:

@@ -31,7 +31,7 @@ EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 def load_gguf_as_stored(model: nn.Module, checkpoint: GGUFCheckpoint,
                         dtype: torch.dtype, activations: str = "float32") -> int:
     """Put block modules into `model` (on meta) for every block tensor it can serve, then
-    load the rest with `model.load_weights`. `activations` ("auto", "int8", "float32") is
+    load the rest with `model.load_weights`. `activations` (see `resolve_activations`) is
     what the block linears multiply (`BlockLinear`). Returns the bytes of the planes kept."""
     blocks = dict(checkpoint.block_tensors())
     used: set[str] = set()

@@ -30,7 +30,7 @@ def _proj(linear: nn.Module) -> BlockProjSpec | None:
     bias = None if linear.bias is None else linear.bias.detach()
     if bias is not None and bias.dtype != torch.float32:
         return None
-    return BlockProjSpec(linear.kind == "q8", linear.int8, linear.qs, linear.d, linear.m, bias)
+    return BlockProjSpec(linear.kind == "q8", linear.limbs, linear.qs, linear.d, linear.m, bias)
 
 
 def max_fused_rows(model: nn.Module) -> int:

@@ -117,17 +117,21 @@ def cat_planes(parts: list[BlockPlanes]) -> BlockPlanes:
                        torch.cat([p.d for p in parts]), m)
 
 
-ACTIVATIONS = ("auto", "int8", "float32", "bf16")
+ACTIVATIONS = ("auto", "int8", "int8x2", "float32", "bf16")
+# int8 limbs of x per activation kind (0: the float32 kernels)
+INT8_LIMBS = {"int8": 1, "int8x2": 2}
 
 
 def resolve_activations(choice: str) -> str:
-    """`int8`, `float32` or `bf16` for a BlockLinear; "auto" is int8 where the CPU has the int8
-    kernels (AVX-512 VNNI), else float32. Raises ValueError for an unknown choice."""
+    """`int8`, `int8x2`, `float32` or `bf16` for a BlockLinear; "auto" is int8x2 where the CPU
+    has the int8 kernels (AVX-512 VNNI): x in two int8 limbs, KL 5e-8 nats against the dense
+    model and faster than float32 at every batch size measured (ops/bench/RESULTS.md, issue
+    16); float32 elsewhere. Raises ValueError for an unknown choice."""
     if choice not in ACTIVATIONS:
         raise ValueError(f"block activations must be one of {', '.join(ACTIVATIONS)}, got "
                          f"{choice!r}")
     if choice == "auto":
-        return "int8" if int8_kernels_available() else "float32"
+        return "int8x2" if int8_kernels_available() else "float32"
     return choice
 
 
@@ -136,8 +140,9 @@ class BlockLinear(nn.Module):
 
     float32 x on CPU: up to `kernel_max_rows` rows (decode) the float kernel
     (`kernels.qgemv`: blocks decoded in registers, exact up to summation order), or with
-    `activations="int8"` up to `int8_max_rows` rows the int8-activation kernel
-    (`kernels.qgemv_i8`: x rounded to int8 per block of 32, VNNI dot products). Past that
+    `activations="int8"` / `"int8x2"` up to `int8_max_rows` rows the int8-activation kernel
+    (`kernels.qgemv_i8`: x rounded to one int8 limb per block of 32, as llama.cpp does, or to
+    two, the second carrying the first's rounding residual; VNNI dot products). Past that
     (prefill, mixed steps, large batches) the same float op dequantizes tiles of W into a
     cache-resident buffer and multiplies them by BLAS, never the whole matrix at once (see
     ops/bench/RESULTS.md). With `activations="bf16"`, past `bf16_min_rows` rows x and the
@@ -157,7 +162,8 @@ class BlockLinear(nn.Module):
                  activations: str = "float32") -> None:
         super().__init__()
         self.activations = resolve_activations(activations)
-        self.int8 = self.activations == "int8"
+        self.limbs = INT8_LIMBS.get(self.activations, 0)
+        self.int8 = self.limbs > 0
         self.bf16 = self.activations == "bf16"
         # "bf16": the blocks dequantized to bf16 [out, in] while the engine is busy with many-row
         # steps (2 bytes a weight), so they are not decoded again every step; None when idle.
@@ -197,9 +203,9 @@ class BlockLinear(nn.Module):
             y = bf16_linear(x, self.bf16_weight)
         elif self.int8 and rows <= self.int8_max_rows:
             if self.kind == "q4":
-                y = q4_linear_i8(x, self.qs, self.d, self.m)
+                y = q4_linear_i8(x, self.qs, self.d, self.m, limbs=self.limbs)
             else:
-                y = q8_linear_i8(x, self.qs, self.d)
+                y = q8_linear_i8(x, self.qs, self.d, limbs=self.limbs)
         elif self.kind == "q4":
             y = q4_linear(x, self.qs, self.d, self.m, BLOCK)
         else:

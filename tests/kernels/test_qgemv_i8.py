@@ -1,7 +1,8 @@
 """The int8-activation block kernels (kernels/cpu/qgemv_i8.cpp) against their torch twins:
 sizes swept (powers of two, odd block counts, a part quad and a part chunk of 16 blocks),
 row counts over every tile and its remainders, random inputs with an all-zero block and
-extreme codes, poisoned outputs; and their distance from the float32-activation twin."""
+extreme codes, poisoned outputs, one and two int8 limbs of x; and their distance from the
+float32-activation twin."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kernels.qgemv_i8 import (
     q8_linear_i8,
     ref_q4_linear_i8,
     ref_q8_linear_i8,
+    ref_quantize_limbs,
     ref_quantize_rows_q8,
 )
 
@@ -69,8 +71,9 @@ def test_quantized_rows_round_half_to_even_within_half_a_step():
 
 
 @needs_kernels
+@pytest.mark.parametrize("limbs", [1, 2])
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_int8_kernel_equals_its_twin_over_sizes_and_row_counts(kind):
+def test_int8_kernel_equals_its_twin_over_sizes_and_row_counts(kind, limbs):
     gen = torch.Generator().manual_seed(7 if kind == "q4" else 8)
     for n, k in SHAPES:
         w = planes(n, k, gen)
@@ -78,11 +81,11 @@ def test_int8_kernel_equals_its_twin_over_sizes_and_row_counts(kind):
             x = activations(rows, k, gen)
             out = torch.full((rows, n), POISON)
             if kind == "q4":
-                y = q4_linear_i8(x, w["qs"], w["d"], w["m"], out=out)
-                ref = ref_q4_linear_i8(x, w["qs"], w["d"], w["m"])
+                y = q4_linear_i8(x, w["qs"], w["d"], w["m"], out=out, limbs=limbs)
+                ref = ref_q4_linear_i8(x, w["qs"], w["d"], w["m"], limbs)
             else:
-                y = q8_linear_i8(x, w["q8"], w["d"], out=out)
-                ref = ref_q8_linear_i8(x, w["q8"], w["d"])
+                y = q8_linear_i8(x, w["q8"], w["d"], out=out, limbs=limbs)
+                ref = ref_q8_linear_i8(x, w["q8"], w["d"], limbs)
             assert y.data_ptr() == out.data_ptr()
             assert_close(y, ref)
 
@@ -99,6 +102,8 @@ def test_int8_kernel_takes_leading_dims_and_refuses_bad_shapes():
         q4_linear_i8(torch.randn(2, 64), w["qs"], w["d"], w["m"])
     with pytest.raises(RuntimeError, match="float16"):
         q8_linear_i8(torch.randn(2, 96), w["q8"], w["d"].float())
+    with pytest.raises(ValueError, match="limbs"):
+        q4_linear_i8(torch.randn(2, 96), w["qs"], w["d"], w["m"], limbs=3)
 
 
 def test_int8_activations_stay_within_their_rounding_of_the_float32_result():
@@ -120,3 +125,23 @@ def test_int8_activations_stay_within_their_rounding_of_the_float32_result():
         bound = half_step @ wd.abs().t()
         assert ((ref_i8 - ref_f32).abs() <= bound * 1.001 + 1e-5).all()
         assert (ref_i8 - ref_f32).abs().max() > 0  # it is a rounding, not the same numbers
+
+
+def test_two_limbs_carry_x_to_its_residual_rounding():
+    # x = dx xq + dx2 xq2 + e with |e| <= dx2 / 2 <= dx / 508: the result's distance from the
+    # float32 twin is bounded by that, and is hundreds of times below one limb's.
+    gen = torch.Generator().manual_seed(6)
+    w = planes(64, 576, gen)
+    x = activations(8, 576, gen)
+    (_, dx), (_, dx2) = ref_quantize_limbs(x, 2)
+    assert (dx2 <= dx / 254 * (1 + 1e-6)).all()
+    half_step = (dx2 / 2).repeat_interleave(32, dim=1)
+    from kernels.qgemv import ref_q4_dequantize
+
+    wd = ref_q4_dequantize(w["qs"], w["d"], w["m"], 32)
+    exact = x.double() @ wd.double().t()
+    two = ref_q4_linear_i8(x, w["qs"], w["d"], w["m"], 2).double()
+    one = ref_q4_linear_i8(x, w["qs"], w["d"], w["m"], 1).double()
+    bound = half_step.double() @ wd.abs().double().t()
+    assert ((two - exact).abs() <= bound * 1.001 + 1e-5).all()
+    assert (one - exact).abs().mean() > 100 * (two - exact).abs().mean()

@@ -54,10 +54,10 @@ def _pages(llm: LLM) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(("kv_dtype", "activations"), [
     ("float32", "float32"), ("bfloat16", "float32"), ("fp8", "float32"), ("int8", "float32"),
-    ("auto", "int8"),
+    ("auto", "int8"), ("auto", "int8x2"),
 ])
 def test_fused_step_equals_the_python_layers(kv_dtype: str, activations: str) -> None:
-    if activations == "int8" and not int8_kernels_available():
+    if activations.startswith("int8") and not int8_kernels_available():
         pytest.skip("no AVX-512 VNNI on this CPU: the int8-activation kernels are not built")
     llm = LLM(kv_cache_bytes=32 << 20, max_num_seqs=4, enable_prefix_caching=False,
               kv_cache_dtype=kv_dtype, gguf_activations=activations)

@@ -124,6 +124,20 @@ def test_int8_activations_leave_the_dense_greedy_path_only_at_near_ties(stored_i
     assert same >= len(PROMPTS) // 2  # measured: 4 of 8 identical over 32 tokens
 
 
+def test_the_default_int8x2_activations_keep_the_dense_greedy_path_and_logits(llm):
+    """Where the CPU has VNNI the default multiplies two int8 limbs of x (KL 5e-8 nats on
+    the eval text, RESULTS.md): the dense model's greedy tokens, its logits within ~1e-2."""
+    if not int8_kernels_available():
+        pytest.skip("no AVX-512 VNNI on this CPU: the default is float32 activations here")
+    default = LLM(kv_cache_bytes=64 << 20, max_num_seqs=16)
+    blocks = [m for m in default.engine.model.modules() if isinstance(m, BlockLinear)]
+    assert blocks and all(m.limbs == 2 for m in blocks)
+    assert greedy(default) == greedy(llm)
+    ids = llm.engine.tokenize_prompt(PROMPTS[6])[1]
+    diff = (default.prompt_logits(ids) - llm.prompt_logits(ids)).abs().max()
+    assert 0 < float(diff) < 2e-2, float(diff)  # a rounding of x, far below int8's ~1
+
+
 def test_logits_stay_within_summation_noise_at_prefill_and_decode(stored, llm, monkeypatch):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     logits = {}
