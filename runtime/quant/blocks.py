@@ -154,7 +154,9 @@ class BlockLinear(nn.Module):
     """
 
     kernel_max_rows = 32  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
-    int8_max_rows = 64
+    # past 32 rows dequantized tiles + MKL sgemm beat the int8 tiles, one limb or two
+    # (ops/bench/RESULTS.md, issue 16, session 9)
+    int8_max_rows = 32
     bf16_min_rows = 16  # with "bf16": float32 kernel up to here, bf16 tiles past (RESULTS.md)
     weight = None  # no dense weight; a tied assignment (`lm_head.weight = ...`) is a no-op
 
