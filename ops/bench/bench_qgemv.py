@@ -45,6 +45,7 @@ def methods(out_f: int, in_f: int, gen: torch.Generator) -> dict[str, Callable]:
         out["q8 kernel (Q8_0)"] = lambda x: q8_linear(x, q8, d)
         if int8_kernels_available():
             out["q8 kernel, int8 x (VNNI)"] = lambda x: q8_linear_i8(x, q8, d)
+            out["q8 kernel, int8x2 x (VNNI)"] = lambda x: q8_linear_i8(x, q8, d, limbs=2)
         if bf16_gemm_available():
             out["q8 bf16 tiles"] = lambda x: q8_linear_bf16(x, q8, d)
         out["q8 dequant + F.linear"] = lambda x: F.linear(x, q8_dequantize(q8, d))
@@ -52,6 +53,7 @@ def methods(out_f: int, in_f: int, gen: torch.Generator) -> dict[str, Callable]:
     out["q4 kernel (Q4_1, g32 fp16)"] = lambda x: q4_linear(x, qs, d, m, 32)
     if int8_kernels_available():
         out["q4 kernel, int8 x (VNNI)"] = lambda x: q4_linear_i8(x, qs, d, m)
+        out["q4 kernel, int8x2 x (VNNI)"] = lambda x: q4_linear_i8(x, qs, d, m, limbs=2)
     if bf16_gemm_available():
         out["q4 bf16 tiles"] = lambda x: q4_linear_bf16(x, qs, d, m, 32)
     out["q4 dequant + F.linear"] = lambda x: F.linear(x, q4_dequantize(qs, d, m, 32))

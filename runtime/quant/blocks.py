@@ -153,10 +153,10 @@ class BlockLinear(nn.Module):
     Buffers are non-persistent: the planes come from the GGUF file, not from a state dict.
     """
 
-    kernel_max_rows = 32  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
-    # past 32 rows dequantized tiles + MKL sgemm beat the int8 tiles, one limb or two
-    # (ops/bench/RESULTS.md, issue 16, session 9)
-    int8_max_rows = 32
+    kernel_max_rows = 16  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
+    # past 16 rows dequantized tiles + MKL sgemm beat the two-limb int8 tiles (the one-limb
+    # ones only past ~32; one threshold for both; ops/bench/RESULTS.md, issue 16, session 9)
+    int8_max_rows = 16
     bf16_min_rows = 16  # with "bf16": float32 kernel up to here, bf16 tiles past (RESULTS.md)
     weight = None  # no dense weight; a tied assignment (`lm_head.weight = ...`) is a no-op
 

@@ -112,7 +112,7 @@ class Int4Linear(nn.Module):
     """
 
     kernel_max_rows = 128  # past this the dequantize-then-matmul path wins (table above)
-    q4_kernel_max_rows = 32  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
+    q4_kernel_max_rows = 16  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
 
     def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                  weight_zero_point: torch.Tensor | None, in_features: int, group_size: int,

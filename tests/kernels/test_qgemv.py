@@ -25,7 +25,7 @@ from kernels.qgemv import (
 
 pytestmark = pytest.mark.skipif(native() is None, reason="no C++ toolchain: the twins run alone")
 
-ROWS = (1, 2, 3, 5, 8, 9, 16, 31, 32, 33, 97)  # every tile shape and remainder; past 32 rows
+ROWS = (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 97)  # every tile shape and remainder; past 16 rows
 # the op multiplies dequantized tiles of W by BLAS instead
 SHAPES = ((1, 32), (3, 96), (7, 160), (64, 64), (129, 576), (200, 1536))  # (N, K)
 # fp32 sums of K products in another order: |error| <= K * eps * sum |x w| (a loose bound).
