@@ -129,7 +129,9 @@ def test_the_default_int8x2_activations_keep_the_dense_greedy_path_and_logits(ll
     the eval text, RESULTS.md): the dense model's greedy tokens, its logits within ~1e-2."""
     if not int8_kernels_available():
         pytest.skip("no AVX-512 VNNI on this CPU: the default is float32 activations here")
-    default = LLM(kv_cache_bytes=64 << 20, max_num_seqs=16)
+    # chunks of 16 prefill tokens: the teacher-forced logits below go through the int8 tiles
+    # too (past 16 rows dequantized tiles and BLAS multiply, as for the dense model)
+    default = LLM(kv_cache_bytes=64 << 20, max_num_seqs=16, max_num_batched_tokens=16)
     blocks = [m for m in default.engine.model.modules() if isinstance(m, BlockLinear)]
     assert blocks and all(m.limbs == 2 for m in blocks)
     assert greedy(default) == greedy(llm)
