@@ -10,9 +10,10 @@
 `stream.candidates` hold each one's text and end. `logprobs=k` adds `chunk.logprobs`: each
 token's logprob and the k most likely tokens'.
 
-Errors raise one class per reason (gateway.errors.REASONS). Retryable reasons (OVERLOADED,
-TENANT_CONCURRENCY_EXCEEDED, WORKER_LOST) are retried with backoff and a time budget, only
-before the first token.
+Errors raise one class per reason (gateway.errors.REASONS). An error the server marks
+retryable (a RetryInfo: OVERLOADED, TENANT_CONCURRENCY_EXCEEDED, WORKER_LOST, UNAVAILABLE while
+a server drains) is retried with backoff and a time budget, only before the first token.
+Leaving a stream's loop early (`break`) cancels its request, as `stream.cancel()` does.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class _ClientBase:
         self.retry = retry
         self.timeout_s = timeout_s
 
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        # NOTE: 0 is a deadline already passed, not "no deadline": only None falls back.
+        return self.timeout_s if timeout_s is None else timeout_s
+
     def _metadata(self, session: str | None) -> tuple[tuple[str, str], ...]:
         return (self._auth,) if session is None else (self._auth, (SESSION_HEADER, session))
 
@@ -107,7 +112,7 @@ class Client(_ClientBase):
         (else, as in Hugging Face's tokenizers, control tokens)."""
         req = self._generate_request(prompt, model, sampling, split_special_tokens)
         return Stream(lambda: self.stub.Generate(req, metadata=self._metadata(session),
-                                                 timeout=timeout_s or self.timeout_s),
+                                                 timeout=self._timeout(timeout_s)),
                       self.retry)
 
     def chat(self, messages: list[dict[str, str]], *, model: str = "",
@@ -115,7 +120,7 @@ class Client(_ClientBase):
              **sampling: Unpack[Sampling]) -> Stream:
         req = self._chat_request(messages, model, sampling)
         return Stream(lambda: self.stub.Chat(req, metadata=self._metadata(session),
-                                             timeout=timeout_s or self.timeout_s), self.retry)
+                                             timeout=self._timeout(timeout_s)), self.retry)
 
     def list_models(self) -> list[pb.ModelInfo]:
         try:
@@ -162,7 +167,7 @@ class AsyncClient(_ClientBase):
                  **sampling: Unpack[Sampling]) -> AsyncStream:
         req = self._generate_request(prompt, model, sampling, split_special_tokens)
         return AsyncStream(lambda: self.stub.Generate(req, metadata=self._metadata(session),
-                                                      timeout=timeout_s or self.timeout_s),
+                                                      timeout=self._timeout(timeout_s)),
                            self.retry)
 
     def chat(self, messages: list[dict[str, str]], *, model: str = "",
@@ -170,7 +175,7 @@ class AsyncClient(_ClientBase):
              **sampling: Unpack[Sampling]) -> AsyncStream:
         req = self._chat_request(messages, model, sampling)
         return AsyncStream(lambda: self.stub.Chat(req, metadata=self._metadata(session),
-                                                  timeout=timeout_s or self.timeout_s),
+                                                  timeout=self._timeout(timeout_s)),
                            self.retry)
 
     async def list_models(self) -> list[pb.ModelInfo]:

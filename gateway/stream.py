@@ -176,6 +176,9 @@ class Stream(_StreamState):
                     else:
                         self._final(resp.final)
                 return
+            except GeneratorExit:  # the caller left the loop (`break`): the request ends too
+                self._call.cancel()
+                raise
             except grpc.RpcError as e:
                 error, delay = self._error(e, slept)
                 if delay is None:
@@ -207,6 +210,9 @@ class AsyncStream(_StreamState):
                     else:
                         self._final(resp.final)
                 return
+            except GeneratorExit:  # left early; runs when the event loop closes the generator
+                self._call.cancel()
+                raise
             except (grpc.RpcError, asyncio.CancelledError) as e:
                 if isinstance(e, asyncio.CancelledError) and not self._cancelled:
                     raise

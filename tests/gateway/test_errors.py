@@ -171,6 +171,26 @@ def test_client_cancel_is_cancelled_and_frees_the_request(two_workers) -> None:
     assert requests_total("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"]
 
 
+def test_leaving_the_loop_early_cancels_the_request(two_workers) -> None:
+    before = requests_total("CANCELLED")
+    with client_for(two_workers) as c:
+        stream = c.generate("Count:", max_tokens=600, ignore_eos=True, timeout_s=60)
+        for n, _chunk in enumerate(stream):
+            if n == 2:
+                break  # the stream object stays referenced: only the loop ends
+        wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
+        wait_for(lambda: requests_total("CANCELLED") == before + 1, 10,
+                 "the gateway to count the request CANCELLED")
+        assert len(stream.token_ids) < 600
+        assert list(c.generate("Hi", max_tokens=2))  # and the next request is served
+
+
+def test_a_zero_timeout_is_a_passed_deadline_not_none(two_workers) -> None:
+    with client_for(two_workers, timeout_s=60) as c:
+        expect(DeadlineExceeded, c.generate("Hi", max_tokens=2, timeout_s=0))
+        assert list(c.generate("Hi", max_tokens=2))  # the client's own deadline still serves
+
+
 def test_full_pool_is_overloaded_with_a_retry_hint(two_workers) -> None:
     pool = two_workers.gateway.pools[MODEL]
     config = pool.config
