@@ -93,7 +93,8 @@ class WorkerPool:
     def __init__(self, config: PoolConfig, run_dir: str | None = None) -> None:
         self.config = config
         self._own_run_dir = run_dir is None
-        self.run_dir = run_dir or tempfile.mkdtemp(prefix="tessera-")
+        # made when the first worker starts: a pool that never starts one leaves no folder
+        self._run_dir = run_dir
         self.router = Router()
         self.workers: dict[str, WorkerHandle] = {}
         self.stats = PoolStats()
@@ -279,7 +280,9 @@ class WorkerPool:
     def _spawn(self) -> WorkerHandle:
         self._seq += 1
         wid = f"{self.config.pool_label.replace('/', '-')}-{self._seq}"
-        worker = WorkerHandle(wid, os.path.join(self.run_dir, f"w{self._seq}.sock"),
+        if self._run_dir is None:
+            self._run_dir = tempfile.mkdtemp(prefix="tessera-")
+        worker = WorkerHandle(wid, os.path.join(self._run_dir, f"w{self._seq}.sock"),
                               self.config.max_inflight)
         self.workers[wid] = worker
         self.stats.spawned += 1
@@ -413,5 +416,5 @@ class WorkerPool:
         await self._notify()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)
-        if self._own_run_dir:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._own_run_dir and self._run_dir is not None:
+            shutil.rmtree(self._run_dir, ignore_errors=True)

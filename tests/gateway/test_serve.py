@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -66,6 +67,12 @@ def test_serve_hands_the_flags_a_user_set_to_each_worker() -> None:
     worker = parse_worker(["--socket", "/tmp/s", *worker_args(serve)])
     assert _values(worker, served) == _values(serve, served)
     assert worker_args(parser.parse_args(["serve"])) == ()
+
+
+def test_a_pool_that_starts_no_worker_leaves_no_folder(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # mkdtemp's default folder
+    WorkerPool(pool_config(build_parser().parse_args(["serve"])))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_serve_gives_each_worker_its_threads_and_kv_budget() -> None:
