@@ -13,7 +13,9 @@ token's logprob and the k most likely tokens'.
 Errors raise one class per reason (gateway.errors.REASONS). An error the server marks
 retryable (a RetryInfo: OVERLOADED, TENANT_CONCURRENCY_EXCEEDED, WORKER_LOST, UNAVAILABLE while
 a server drains) is retried with backoff and a time budget, only before the first token.
-Leaving a stream's loop early (`break`) cancels its request, as `stream.cancel()` does.
+Leaving a stream's loop early (`break`) leaves its request running, as the openai client's
+streams do; `with client.generate(...) as stream:` cancels it on the way out, as
+`stream.cancel()` does.
 """
 
 from __future__ import annotations

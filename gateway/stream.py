@@ -176,9 +176,6 @@ class Stream(_StreamState):
                     else:
                         self._final(resp.final)
                 return
-            except GeneratorExit:  # the caller left the loop (`break`): the request ends too
-                self._call.cancel()
-                raise
             except grpc.RpcError as e:
                 error, delay = self._error(e, slept)
                 if delay is None:
@@ -191,12 +188,28 @@ class Stream(_StreamState):
         if self._call is not None:
             self._call.cancel()
 
+    # NOTE: leaving a `for` loop early leaves the request running (the openai client's streams
+    # behave so too); `with client.generate(...) as stream:` cancels it on the way out.
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._call is not None and not self._call.done():
+            self.cancel()
+
 
 class AsyncStream(_StreamState):
     def __init__(self, start: Any, retry: RetryPolicy) -> None:
         super().__init__(retry)
         self._start = start
         self._call: Any = None
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._call is not None and not self._call.done():
+            self.cancel()
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         slept = 0.0
@@ -210,9 +223,6 @@ class AsyncStream(_StreamState):
                     else:
                         self._final(resp.final)
                 return
-            except GeneratorExit:  # left early; runs when the event loop closes the generator
-                self._call.cancel()
-                raise
             except (grpc.RpcError, asyncio.CancelledError) as e:
                 if isinstance(e, asyncio.CancelledError) and not self._cancelled:
                     raise

@@ -171,13 +171,13 @@ def test_client_cancel_is_cancelled_and_frees_the_request(two_workers) -> None:
     assert requests_total("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"]
 
 
-def test_leaving_the_loop_early_cancels_the_request(two_workers) -> None:
+def test_leaving_a_stream_context_early_cancels_the_request(two_workers) -> None:
     before = requests_total("CANCELLED")
     with client_for(two_workers) as c:
-        stream = c.generate("Count:", max_tokens=600, ignore_eos=True, timeout_s=60)
-        for n, _chunk in enumerate(stream):
-            if n == 2:
-                break  # the stream object stays referenced: only the loop ends
+        with c.generate("Count:", max_tokens=600, ignore_eos=True, timeout_s=60) as stream:
+            for n, _chunk in enumerate(stream):
+                if n == 2:
+                    break  # the stream object stays referenced: the `with` ends the request
         wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
         wait_for(lambda: requests_total("CANCELLED") == before + 1, 10,
                  "the gateway to count the request CANCELLED")
