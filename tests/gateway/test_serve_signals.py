@@ -26,7 +26,9 @@ from gateway.client import NO_RETRY, Client, TesseraError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 KEY = "key-signals"
-LONG = {"max_tokens": 600, "ignore_eos": True}
+# Outlasts every grace period here: 600 tokens ended inside an 8 s grace once decode passed
+# ~50 tok/s (the fused decode step); 1500 take over 20 s at any speed this box reaches.
+LONG = {"max_tokens": 1500, "ignore_eos": True}
 
 
 def _free_port() -> int:
@@ -59,7 +61,7 @@ class Served:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "serve", "--grpc-port", str(self.grpc_port),
              "--http-port", str(self.http_port), "--api-keys", str(keys),
-             "--kv-cache-bytes", str(64 << 20), "--shutdown-grace-s", str(grace_s)],
+             "--kv-cache-bytes", str(256 << 20), "--shutdown-grace-s", str(grace_s)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             start_new_session=terminal_group)  # its own group, as a shell's foreground job
         self.lines: list[str] = []
