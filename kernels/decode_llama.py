@@ -4,9 +4,9 @@ rotate-half RoPE, the KV store, paged decode attention, o_proj, add + norm, gate
 and down_proj, the same kernels in the same order as the model's Python forward
 (`runtime/models/llama.py`), which is its twin and test oracle. What it removes is the Python
 and per-op dispatch between ~25 ops a layer: at one sequence, on one thread, a whole engine
-step went from 38.9 to 28.7 ms (ops/bench/RESULTS.md, issue 16). CPU only: float32
-activations in, weights as GGUF blocks (`kernels.qgemv`, `kernels.qgemv_i8`), pages in any of
-the cache's formats.
+step went from 38.9 to 28.7 ms (ops/bench/RESULTS-log.md#what-the-fused-step-removes). CPU
+only: float32 activations in, weights as GGUF blocks (`kernels.qgemv`, `kernels.qgemv_i8`),
+pages in any of the cache's formats.
 """
 
 from __future__ import annotations

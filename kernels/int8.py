@@ -8,7 +8,7 @@ symmetric); NaN becomes 0 and +-inf the clamp. Why int8 rather than e4m3 for rot
 e4m3 keeps ~3 mantissa bits at every magnitude, a floating-point grid made for heavy-tailed
 data; after the Hadamard rotation (kernels/hadamard.py) a row is near-Gaussian with no
 outliers, and 255 uniform levels spread over its amax hold it with ~4x less error (measured in
-ops/bench/RESULTS.md, issue 17). The method is the per-token, per-head round-to-nearest of
+ops/bench/RESULTS.md#kv-format-quality). The method is the per-token, per-head round-to-nearest of
 QuaRot's rotated KV cache (Ashkboos et al. 2024, sec. 4) and of LMDeploy's online KV int8; both
 add a zero point, which this format leaves out: rotated (and key-mean-shifted) rows are
 centred, and a symmetric grid keeps FP8's exact layout, one bf16 scale per row. Decoding is one

@@ -4,7 +4,8 @@
     out = x * rsqrt(mean(x^2, -1) + eps) * weight
 
 A decoder layer runs two of these, each replacing an `add_` and torch's rms_norm (five ops):
-per-op dispatch is most of a small op's cost at decode (issue 16, ops/bench/RESULTS.md).
+per-op dispatch is most of a small op's cost at decode (issue 16,
+ops/bench/RESULTS-log.md#int8-activations-fused-residual--rmsnorm-issue-16-kernel-helper).
 """
 
 from __future__ import annotations

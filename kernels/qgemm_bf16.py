@@ -5,7 +5,7 @@ and this CPU's bf16 GEMM (MKL over AMX or AVX512-BF16) runs ~4x its float32 one.
 weight blocks (layout in `kernels.qgemv`) are dequantized exactly, rounded to bf16 (nearest
 even), and multiplied with x rounded to bf16; sums stay float32. That is vLLM's CPU default
 precision (bf16 weights and activations); the cost against float32 is measured in
-ops/bench/RESULTS.md (issue 16). The ops exist where torch's BLAS has the bf16 GEMM
+ops/bench/RESULTS.md#gguf-activation-quality. The ops exist where torch's BLAS has the bf16 GEMM
 (`bf16_gemm_available`); elsewhere the twins run.
 """
 

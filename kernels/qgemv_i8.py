@@ -6,12 +6,13 @@ block). Then, for Q4 planes (GGUF Q4_0/Q4_1: group 32, float16 d and m, layout i
 `kernels.qgemv`), y = sum_b d_b dx_b dot(q_b, xq_b) + m_b dx_b sum(xq_b); for Q8 planes,
 y = sum_b d_b dx_b dot(w_b, xq_b). The integer dots are exact, so the kernel and the twins
 differ only in the order of the float32 sums; against the float32-activation kernel the
-difference is x's rounding to int8 (measured in ops/bench/RESULTS.md, issue 16).
+difference is x's rounding to int8 (measured in
+ops/bench/RESULTS.md#gguf-activation-quality).
 With `limbs=2` x is carried as two int8 limbs per block: xq as above, then the rounding
 residual r = x - dx xq (each element rounded once) quantized the same way, and every block dot
 is taken over both (dx dot(w, xq) + dx2 dot(w, xq2)): x is held to ~1.6e-5 of its block's amax
 instead of ~4e-3, for about 1.4x the one-limb kernel's time, still ~2x faster than the float32
-kernel at decode (ops/bench/RESULTS.md, issue 16).
+kernel at decode (ops/bench/RESULTS.md#weight-kernels).
 The C++ ops exist only where the CPU has AVX-512 VNNI (`int8_kernels_available`).
 """
 

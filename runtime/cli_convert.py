@@ -41,7 +41,7 @@ def convert_checkpoint(src: str | Path | None, dst: str | Path, fmt: WeightForma
     `method="gptq"` (int4 or fp8) first runs `calibration_windows` windows of 256 tokens of
     standard-library docstrings through the model to weigh each projection's rounding, with
     columns in act order unless `act_order=False` (on the default model it cut the KL to the
-    unquantized model from 0.26 to 0.15, ops/bench/RESULTS.md)."""
+    unquantized model from 0.26 to 0.15, ops/bench/RESULTS.md#weight-format-quality)."""
     from safetensors.torch import save_file
 
     if fmt.name not in ("fp8", "int4"):

@@ -146,9 +146,9 @@ class EngineConfig:
     # What blocks served as stored multiply on CPU: "float32" (exact up to summation order),
     # "int8x2" (x as two int8 limbs per block of 32 for the VNNI kernels: KL 5e-8 nats against
     # the dense model, faster), "int8" (one limb, as llama.cpp does: faster still, KL ~3e-3;
-    # ops/bench/RESULTS.md), "auto" (the default: int8x2 where the CPU has AVX-512 VNNI, else
-    # float32), "bf16" (past 16 rows x rounded to bf16 and a bf16 copy of the weights, kept
-    # while busy, for the CPU's bf16 GEMM).
+    # ops/bench/RESULTS.md#gguf-activation-quality), "auto" (the default: int8x2 where
+    # the CPU has AVX-512 VNNI, else float32), "bf16" (past 16 rows x rounded to bf16 and a
+    # bf16 copy of the weights, kept while busy, for the CPU's bf16 GEMM).
     gguf_activations: str = "auto"
     num_threads: int | None = None  # CPU compute threads; None: as the process has them
     # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).

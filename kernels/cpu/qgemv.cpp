@@ -294,7 +294,7 @@ void dequantize_rows(const W& w, int64_t N, float* out) {
 // L2, and multiplied by BLAS (one thread per tile). Each weight is decoded once per call and the
 // whole matrix is never written out in float32 (113 MB for the default model's lm_head). The
 // crossover is below 16 rows here (gate_up 3072x576 at 16 rows: tiles 1.38 ms, F.linear 1.19;
-// ops/bench/RESULTS.md, issue 16, session 9).
+// ops/bench/RESULTS.md#weight-kernels).
 constexpr int64_t kKernelMaxRows = 16;
 
 }  // namespace

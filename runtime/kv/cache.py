@@ -12,8 +12,9 @@ verified or freed as one unit (see kernels/fp8.py for why per token per head). T
 (uint8 or int8) is what tells the kernels which code grid to decode. With `ROTATE_FP8_KV` (on),
 quantized K/V pages of a power-of-two head_dim hold the Walsh-Hadamard rotation of each K and V
 vector (QuaRot's online Hadamard, `kernels/hadamard.py`): the same bytes, ~27% less KL
-divergence than the unrotated fp8 format on held-out text (ops/bench/RESULTS.md, issue 17); the
-attention kernels undo it. MLA latent pages are never rotated.
+divergence than the unrotated fp8 format on held-out text
+(ops/bench/RESULTS-log.md#the-gate-with-the-issues-command); the attention kernels undo it.
+MLA latent pages are never rotated.
 
 MLA models (DeepSeek-V3) cache one latent vector per token and layer (kv_lora_rank normalised
 latent, then the roped qk_rope_head_dim key part) instead of K and V per head: the same layout

@@ -4,7 +4,8 @@ channel) key mean is subtracted from every key before it is rotated and quantize
 Softmax is shift-invariant per query: q.(k - mu) = q.k - q.mu, and q.mu is the same for every
 key a query attends to, so attention is unchanged exactly; only what e4m3 has to represent
 shrinks. The post-RoPE keys of this model family carry large, slowly rotating values in their
-low-frequency RoPE channels (issue 17's error analysis, ops/bench/RESULTS.md), mostly a constant
+low-frequency RoPE channels (issue 17's error analysis,
+ops/bench/RESULTS-log.md#fp8-kv-what-was-tried-on-the-same-24-windows), mostly a constant
 part that the mean removes. The method is SageAttention's "smooth K" (Zhang et al., 2024,
 "SageAttention: Accurate 8-Bit Attention for Plug-and-play Inference Acceleration", sec. 4.2),
 with the mean calibrated once per model instead of per block (pages are quantized when written,
@@ -25,8 +26,8 @@ from runtime.formats import KVFormat
 from runtime.kv.cache import KeySmoothing, KVCache, KVCacheSpec
 
 # NOTE: on for FP8 and INT8 K/V pages (not MLA latents, not tensor-parallel engines), one
-# calibration for both formats: the quality gate's numbers for it are in ops/bench/RESULTS.md
-# (issue 17).
+# calibration for both formats: the quality gate's numbers for it are in
+# ops/bench/RESULTS.md#kv-format-quality.
 SMOOTH_FP8_KEYS = True
 SCALE_FP8_KEYS = True
 SCALE_FP8_VALUES = True

@@ -114,8 +114,8 @@ def _reader_class() -> type:
     """gguf's reader, slicing a plain ndarray view of its memory map: the stock one slices the
     `np.memmap` itself, and numpy's per-slice memmap bookkeeping over the default model's
     ~100,000 vocabulary strings cost 2.6 s of CPU per open, against 0.7 s this way (same
-    fields and tensors; `ops/bench/RESULTS.md`, "Worker start-up phases"). The arrays it returns are
-    read-only views of the same mapping, as before."""
+    fields and tensors; `ops/bench/RESULTS-log.md#worker-start-up-phases`). The arrays it
+    returns are read-only views of the same mapping, as before."""
     import gguf
 
     class PlainViewReader(gguf.GGUFReader):

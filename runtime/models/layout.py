@@ -4,8 +4,8 @@
 the few rows a decode step has, that path ran up to 1.9x slower on the development machine than
 the same product with W's storage laid out [in, out] (W then a transposed view of it): 16.4 vs
 31.3 ms for the 49152x576 lm_head at 8 rows, 25.4 vs 28.0 at 32, 7.7 vs 8.3 at one row (one
-thread, CPU time, 2026-12-01; `ops/bench/RESULTS.md`, "Lean decode step ..."). Shapes, values,
-parameter objects and tying stay as they were: only the strides change.
+thread, CPU time, 2026-12-01; `ops/bench/RESULTS-log.md`, "What the profile says"). Shapes,
+values, parameter objects and tying stay as they were: only the strides change.
 """
 
 from __future__ import annotations

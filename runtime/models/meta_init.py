@@ -4,7 +4,7 @@ The loader replaces every parameter (`load_weights(..., assign=True)` or block m
 initial values are never read. Running the initializers is not free even on meta: the first
 `nn.init.normal_` on a meta tensor (nn.Embedding's) imports torch._dynamo, inductor and sympy
 (~800 modules: ~68 MB of a worker's resident memory and over a second of its start-up,
-ops/bench/RESULTS.md, "Idle memory of `tessera serve`").
+ops/bench/RESULTS.md#worker-start-up-phases).
 """
 
 from __future__ import annotations

@@ -125,8 +125,9 @@ INT8_LIMBS = {"int8": 1, "int8x2": 2}
 def resolve_activations(choice: str) -> str:
     """`int8`, `int8x2`, `float32` or `bf16` for a BlockLinear; "auto" is int8x2 where the CPU
     has the int8 kernels (AVX-512 VNNI): x in two int8 limbs, KL 5e-8 nats against the dense
-    model and faster than float32 at every batch size measured (ops/bench/RESULTS.md, issue
-    16); float32 elsewhere. Raises ValueError for an unknown choice."""
+    model and faster than float32 at every batch size measured
+    (ops/bench/RESULTS.md#gguf-activation-quality); float32 elsewhere. Raises ValueError for
+    an unknown choice."""
     if choice not in ACTIVATIONS:
         raise ValueError(f"block activations must be one of {', '.join(ACTIVATIONS)}, got "
                          f"{choice!r}")
@@ -145,8 +146,8 @@ class BlockLinear(nn.Module):
     two, the second carrying the first's rounding residual; VNNI dot products). Past that
     (prefill, mixed steps, large batches) the same float op dequantizes tiles of W into a
     cache-resident buffer and multiplies them by BLAS, never the whole matrix at once (see
-    ops/bench/RESULTS.md). With `activations="bf16"`, past `bf16_min_rows` rows x and the
-    weights are rounded to bf16 for the CPU's bf16 GEMM (`kernels.qgemm_bf16`, vLLM-CPU's
+    ops/bench/RESULTS.md#weight-kernels). With `activations="bf16"`, past `bf16_min_rows` rows
+    x and the weights are rounded to bf16 for the CPU's bf16 GEMM (`kernels.qgemm_bf16`, vLLM-CPU's
     precision), ~4x the float32 GEMM here; the bf16 weights are a copy made on the first such
     step and kept until `release_cache()` (the engine calls it when idle). Other dtypes or
     devices: dequantize and matmul.
@@ -155,7 +156,7 @@ class BlockLinear(nn.Module):
 
     kernel_max_rows = 16  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
     # past 16 rows dequantized tiles + MKL sgemm beat the two-limb int8 tiles (the one-limb
-    # ones only past ~32; one threshold for both; ops/bench/RESULTS.md, issue 16, session 9)
+    # ones only past ~32; one threshold for both; ops/bench/RESULTS.md#weight-kernels)
     int8_max_rows = 16
     bf16_min_rows = 16  # with "bf16": float32 kernel up to here, bf16 tiles past (RESULTS.md)
     weight = None  # no dense weight; a tied assignment (`lm_head.weight = ...`) is a no-op

@@ -10,7 +10,8 @@ are used, as llama.cpp's Q4_0 does; s may be negative); for asymmetric, the rang
 shrunk by r; r from CLIP_RATIOS. The candidate with the least squared error wins (scales
 rounded to bf16, as stored, before they are judged). Clipping a few outliers buys a finer step
 for the rest of the group; the search never does worse than plain round-to-nearest on any
-group (tested), though on SmolLM2-135M int4-g128 stays lossy (ops/bench/RESULTS.md).
+group (tested), though on SmolLM2-135M int4-g128 stays lossy
+(ops/bench/RESULTS.md#weight-format-quality).
 """
 
 from __future__ import annotations

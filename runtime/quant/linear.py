@@ -27,7 +27,7 @@ Since issue 16, INT4 on CPU with the C++ ops built (and in % 32 == 0) uses the q
 instead (`layout="q4_blocks"`, kernels/cpu/qgemv.cpp): fp32 activations, codes dequantized in
 registers exactly as `dequantize` forms them, any group size with a short last group read with
 its own scale; faster than int4pack at 1, 8 and 32 rows on the model's shapes and as exact as
-the fp32 path (ops/bench/RESULTS.md, "CPU weight kernels"). Past `q4_kernel_max_rows` rows the
+the fp32 path (ops/bench/RESULTS.md#weight-kernels). Past `q4_kernel_max_rows` rows the
 same op dequantizes tiles of the weight into a cache-resident buffer and multiplies them by BLAS.
 """
 
@@ -284,7 +284,8 @@ INT4_LAYOUTS = ("q4_blocks", "cpu_int4pack", "rows")
 
 def _default_layout(out_features: int, in_features: int, device: torch.device) -> str:
     """The q4 block kernel where it runs (CPU, C++ ops built, in % 32 == 0: faster than torch's
-    int4pack at every row count, ops/bench/RESULTS.md), else torch's, else plain rows."""
+    int4pack at every row count, ops/bench/RESULTS.md#weight-kernels), else torch's, else plain
+    rows."""
     if device.type == "cpu" and in_features % BLOCK == 0 and native() is not None:
         return "q4_blocks"
     if _kernel_fits(out_features, in_features, device):

@@ -1,7 +1,8 @@
 """The Hadamard-rotated FP8 KV format: the transform, attention over rotated pages as its
 definition says, close to exact float32 attention. (Whether rotation lowers the error is a
-property of real activations, measured on the model by `ops/eval`, ops/bench/RESULTS.md: on
-synthetic keys whose outlier channel is a constant offset it does not.)"""
+property of real activations, measured on the model by `ops/eval`,
+ops/bench/RESULTS.md#kv-format-quality: on synthetic keys whose outlier channel is a constant
+offset it does not.)"""
 
 from __future__ import annotations
 

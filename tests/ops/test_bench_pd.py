@@ -1,6 +1,6 @@
 """The statistics and argument checks of the issue-15 benches (ops/bench/bench_pd_mixed.py,
 ops/bench/bench_pd_integrity.py) on synthetic runs; the benches themselves need real workers
-and minutes, so they are run by hand (ops/bench/RESULTS.md)."""
+and minutes, so they are run by hand (ops/bench/RESULTS.md#serving)."""
 
 from __future__ import annotations
 

@@ -206,7 +206,7 @@ def test_sharded_tensors_split_evenly_and_replicated_ones_do_not():
     assert by_cat["indexer"].per_device_bytes == by_cat["indexer"].total_bytes
 
 
-# -- the reference figures (ops/bench/RESULTS.md) ---------------------------------------------
+# -- the reference figures (ops/bench/RESULTS.md#capacity-planner) ----------------------------
 
 def test_glm5_checkpoint_sizes_match_the_reference():
     fp8 = plan_json(str(CONFIGS / "glm5.json"), "--tp", "8", "--weights", "fp8")
@@ -215,7 +215,7 @@ def test_glm5_checkpoint_sizes_match_the_reference():
     assert within(int4["weight_bytes_total"] / GIB, 421, 0.05)
     assert within(fp8["weight_bytes_per_device"] / GIB, 88, 0.05)
     # The reference's 52 per device is the total split evenly 8 ways; replicated MLA
-    # down-projections and indexer add ~3.6 GiB per device on top (see RESULTS.md).
+    # down-projections and indexer add ~3.6 GiB per device on top (see RESULTS-log.md).
     assert within(int4["weight_bytes_total"] / 8 / GIB, 52, 0.05)
 
 

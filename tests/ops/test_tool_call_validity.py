@@ -1,5 +1,5 @@
 """The tool-call validity harness's own parts: the fixed request set, the scorer and the Wilson
-interval (the runs themselves are in ops/bench/RESULTS.md)."""
+interval (the runs themselves are in ops/bench/RESULTS.md#tool-call-validity)."""
 
 from __future__ import annotations
 

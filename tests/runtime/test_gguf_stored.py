@@ -126,7 +126,8 @@ def test_int8_activations_leave_the_dense_greedy_path_only_at_near_ties(stored_i
 
 def test_the_default_int8x2_activations_keep_the_dense_greedy_path_and_logits(llm):
     """Where the CPU has VNNI the default multiplies two int8 limbs of x (KL 5e-8 nats on
-    the eval text, RESULTS.md): the dense model's greedy tokens, its logits within ~1e-2."""
+    the eval text, RESULTS.md#gguf-activation-quality): the dense model's greedy tokens, its
+    logits within ~1e-2."""
     if not int8_kernels_available():
         pytest.skip("no AVX-512 VNNI on this CPU: the default is float32 activations here")
     # chunks of 16 prefill tokens: the teacher-forced logits below go through the int8 tiles

@@ -38,7 +38,8 @@ def test_prefill_runs_the_prefill_weights_and_decode_the_decode_weights(llm, spl
     torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
     # Later steps are decodes: int4 weights over the same context give different logits.
     # (RTN int4-g128 on this 135M model is lossy: logits cosine ~0.9 on average, see
-    # RESULTS.md, so only "different" is asserted here; ops/eval measures how different.)
+    # RESULTS.md#weight-format-quality, so only "different" is asserted here; ops/eval
+    # measures how different.)
     for r, g in zip(ref[1:], got[1:], strict=True):
         assert (r - g).abs().max() > 1e-2
 
