@@ -16,6 +16,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 import gateway.metrics
+from tests.doc_examples import github_anchor
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "ops" / "deploy"
@@ -83,10 +84,6 @@ def dashboard_queries() -> list[tuple[str, str]]:
             assert inner, var["definition"]
             queries.append((f"${var['name']}", inner.group(1)))
     return queries
-
-
-def github_anchor(heading: str) -> str:
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
 # -- Prometheus -------------------------------------------------------------------------------
