@@ -35,7 +35,7 @@ log = get_logger("tessera.gateway")
 PREFIX_CHARS = 64  # prompts at least this long are routed to where their prefix last went
 MAX_TRANSPARENT_RETRIES = 2
 DEADLINE_SLACK_S = 0.05  # a cancel this close to the deadline is the deadline
-# Sizes refused at the edge, as INVALID_ARGUMENT whatever the excess (README: "Limits").
+# Sizes refused at the edge, as INVALID_ARGUMENT whatever the excess (docs/api.md, "Limits").
 MAX_PROMPT_BYTES = 1 << 20  # prompt text, or all chat message contents together
 MAX_PROMPT_TOKEN_IDS = 1 << 18
 # gRPC's own limit sits above ours, so a big prompt meets our typed refusal first.

@@ -1,6 +1,6 @@
 """The C++ CPU ops (`kernels/cpu/*.cpp`), built once per machine with torch's cpp_extension.
 
-They are the CPU path's kernels, as the Triton kernels are the GPU's: paged decode attention
+They are the CPU path's kernels (no GPU kernel exists yet: no Triton): paged decode attention
 read straight from pages in their storage format, the fp8 quantize-and-store, and the e4m3
 row gather that prefill uses. Each has a torch twin (`ref_*`) that is its test oracle and the
 fallback where no C++ compiler exists. Built with `-march=native` for the machine it runs on

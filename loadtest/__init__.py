@@ -1,7 +1,7 @@
 """Locust load tests of a running tessera server: users over gRPC (the SDK) and REST (OpenAI
 and Workers-AI routes), scenarios (short chat, agent sessions, long context, an abusive tenant)
 and streaming metrics (time to first token, inter-token latency, tokens) as locust entries.
-Run with `python3 -m locust -f loadtest/locustfile.py` (README: "Load tests")."""
+Run with `python3 -m locust -f loadtest/locustfile.py` (docs/operations.md, "Load tests")."""
 
 from __future__ import annotations
 

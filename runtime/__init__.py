@@ -1,4 +1,4 @@
-"""tessera runtime: the engine, its offline API and the worker process.
+"""tessera runtime: the engine and its offline API (the worker process is `gateway/worker.py`).
 
 `from runtime import LLM, SamplingParams` works as in vLLM. Heavy imports are lazy so that the
 torch-free bookkeeping modules (scheduler, page pool) import in microseconds.

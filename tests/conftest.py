@@ -13,6 +13,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# The fast tier (`pytest -m "not slow"`: kernels, pages, scheduler, sampling, planner, property
+# tests) must not load the real model into an engine: a test that asks for one is slow, marked
+# or not. Modules that start workers or servers say so with a module-level `pytestmark`.
+MODEL_FIXTURES = frozenset({"llm", "engine", "hf_model"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def seeded_rngs(request: pytest.FixtureRequest) -> None:
     """random, numpy and torch seeded per test from its node id: a test that draws without a

@@ -83,6 +83,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # As the README's install does: build (or load) the C++ ops before any worker starts.
+    subprocess.run([sys.executable, "-m", "kernels"], cwd=REPO, check=True, timeout=1800,
+                   capture_output=True)
     served = Server(tmp_path_factory.mktemp("docs"))
     try:
         served.wait_ready()
