@@ -52,7 +52,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # tenant -> transfer fault kind (drills): corrupt a frame, or stall the sender
         faults = {t: k for k, t in (f.split(":", 1) for f in fault_transfer or ())}
         self.transfer = TransferService(llm, served, role, faults, kv_transport)
-        self.logprobs = TokenLogprobs(self.engine.tokenizer)
+        self.logprobs = self.transfer.logprobs
 
     async def Generate(self, request: wpb.WorkerGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
