@@ -24,7 +24,6 @@ from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import to_status
-from gateway.logprobs import TokenLogprobs
 from gateway.logs import configure, get_logger
 from gateway.transfer import CHANNEL_OPTIONS, ROLES, TRANSPORTS, TransferService, transfer_stats
 from runtime.async_engine import AsyncLLM

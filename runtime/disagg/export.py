@@ -5,9 +5,9 @@ until their frames are out, then release them.
 ordinary steps prefill it (its own prefix cache included) and sample the first token, and the
 scheduler keeps the pages of a sequence marked `export_kv` when it finishes for length (to its
 client it has not finished: `LLMEngine.hands_over`). The begin frame carries what else the
-decode side must continue from: the seeded generator's state and the first token's logprobs. `frames`
-then checks the pages' tags (fail-closed, the engine's own integrity tracker), and yields the
-encoded frames; `release` gives the pages back, whatever happened.
+decode side must continue from: the seeded generator's state and the first token's logprobs.
+`frames` then checks the pages' tags (fail-closed, the engine's own integrity tracker), and
+yields the encoded frames; `release` gives the pages back, whatever happened.
 """
 
 from __future__ import annotations
