@@ -33,6 +33,7 @@ from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import Unavailable, WorkerLost, from_rpc_error
+from gateway.logprobs import TokenLogprobs
 from gateway.page_wait import PageWait
 from runtime.async_engine import AsyncLLM
 from runtime.disagg.export import DEFAULT_FRAME_BYTES, KVExport
@@ -41,6 +42,8 @@ from runtime.disagg.importer import KVImport
 from runtime.disagg.metrics import TransferCounters
 from runtime.disagg.shm import FrameRing
 from runtime.errors import InvalidArgument, RequestCancelled, TransferDeadlineExceeded
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
 
 ROLES = ("both", "prefill", "decode")
 TRANSPORTS = ("auto", "grpc")  # auto: a shared-memory ring when the prefill worker is local
@@ -91,7 +94,11 @@ class TransferService:
         self.pending_exports = 0
         self.pending_imports = 0
         self.page_wait = PageWait(llm)
+        self.logprobs = TokenLogprobs(self.engine.tokenizer)
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+
+    def _logprobs(self, out: RequestOutput, params: SamplingParams) -> list[pb.TokenLogprob]:
+        return [] if params.logprobs is None else self.logprobs.delta(out, params.logprobs)
 
     def _require(self, *roles: str) -> None:
         if self.role not in roles:
@@ -123,7 +130,8 @@ class TransferService:
                     raise RequestCancelled("the request was aborted", request_id=rid)
                 if fault == "hold":  # prompt computed, first token not out: both sides hold
                     await asyncio.Event().wait()  # pages until the call ends
-                chunk = wire.chunk_response(out, first=True, served=self.served)
+                chunk = wire.chunk_response(out, first=True, served=self.served,
+                                            logprobs=self._logprobs(out, params))
                 if chunk is not None:
                     yield wpb.PrefillResponse(out=chunk)
                 if out.finished:
@@ -177,9 +185,9 @@ class TransferService:
         prompt = await asyncio.to_thread(prompt_of, wreq)
         text, ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
         params = wire.sampling_params(wreq.sampling)
-        if params.n != 1 or params.logprobs is not None:
-            raise InvalidArgument("n > 1 and logprobs are not served by prefill/decode pools "
-                                  "yet", field="n" if params.n != 1 else "logprobs")
+        if params.n != 1:  # one KV transfer per request: candidates would need n
+            raise InvalidArgument("n > 1 is not served by prefill/decode pools; serve it from "
+                                  "a colocated pool", field="n")
         timeout_s = request.transfer_timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
         imp = await self.page_wait.reserve(lambda: KVImport.reserve(
             self.engine, rid, ids, params, tenant, prompt_text=text, counters=self.imported,
@@ -222,7 +230,7 @@ class TransferService:
                     raise out.error
                 if out.finished and out.outputs[0].finish_reason == "abort":
                     raise RequestCancelled("the request was aborted", request_id=rid)
-                chunk = wire.chunk_response(out)
+                chunk = wire.chunk_response(out, logprobs=self._logprobs(out, params))
                 if chunk is not None:
                     yield chunk
                 if out.finished:

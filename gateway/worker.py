@@ -24,7 +24,6 @@ from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import to_status
-from gateway.logprobs import TokenLogprobs
 from gateway.logs import configure, get_logger
 from gateway.transfer import CHANNEL_OPTIONS, ROLES, TRANSPORTS, TransferService, transfer_stats
 from runtime.async_engine import AsyncLLM
@@ -52,7 +51,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # tenant -> transfer fault kind (drills): corrupt a frame, or stall the sender
         faults = {t: k for k, t in (f.split(":", 1) for f in fault_transfer or ())}
         self.transfer = TransferService(llm, served, role, faults, kv_transport)
-        self.logprobs = TokenLogprobs(self.engine.tokenizer)
+        self.logprobs = self.transfer.logprobs
 
     async def Generate(self, request: wpb.WorkerGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:

@@ -451,16 +451,25 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
 
+    def hands_over(self, seq: Sequence) -> bool:
+        """Whether `seq`, the prefill of a KV transfer (`export_kv`), ended only at its
+        one-token cap, so that its decoding goes on in another engine: to its client it has
+        not ended, and its text is released as an unfinished request's would be."""
+        return (seq.export_kv and seq.finish_reason == "length"
+                and seq.num_tokens < self.max_model_len)
+
     def _output(self, seq: Sequence, new_tokens: list[int] | None = None) -> RequestOutput:
         state = _state(seq)
         detok = state.detok
-        finished = seq.is_finished
+        handed_over = self.hands_over(seq)
+        finished = seq.is_finished and not handed_over
         delta = detok.flush(finished)
         completion = CompletionOutput(0, detok.text if finished else detok.text[: detok.emitted],
-                                      list(seq.output_token_ids), seq.finish_reason,
+                                      list(seq.output_token_ids),
+                                      None if handed_over else seq.finish_reason,
                                       seq.stop_reason, state.logprobs)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                             finished, seq.num_cached_tokens, seq.error, delta,
+                             seq.is_finished, seq.num_cached_tokens, seq.error, delta,
                              list(new_tokens or []))
 
 

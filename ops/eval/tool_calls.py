@@ -25,7 +25,11 @@ Validity = valid / requests, with a 95% Wilson score interval (requests are the 
 units; greedy decoding makes each request's outcome a fixed function of the format). Also
 reported: the right function called (valid and naming the request's function), and, against
 the first format, how many requests changed outcome. Formats are `runtime.LLM` keyword sets
-(FORMATS), loaded one at a time. Prints Markdown; writes JSON to `--out`.
+(FORMATS), loaded one at a time. `--disaggregated`: every request is prefilled (prompt and first
+token) and then handed over to be decoded, its KV and first token moving as transfer frames
+(`runtime.disagg.local`, the worker processes' flow driven in one process, the format's engine
+on both sides); greedy decoding must give the colocated outcome request for request. Prints
+Markdown; writes JSON to `--out`.
 """
 
 from __future__ import annotations
@@ -111,21 +115,45 @@ def conversations() -> list[tuple[list[dict[str, str]], list[str], str]]:
 OPENED = "<tool_call>\n"
 
 
+DISAGG_BATCH = 16  # requests handed over together (each holds its pages twice meanwhile)
+
+
 def run_format(name: str, kwargs: dict[str, Any], convs: list[Any], max_tokens: int,
-               modes: list[str]) -> list[dict[str, Any]]:
+               modes: list[str], disaggregated: bool = False) -> list[dict[str, Any]]:
     """Load one format and score every request in each mode."""
     from runtime import LLM
 
     start = time.perf_counter()
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - start
-    results = [run_mode(llm, convs, max_tokens, mode) for mode in modes]
+    results = [run_mode(llm, convs, max_tokens, mode, disaggregated) for mode in modes]
     for r in results:
-        r.update(format=name, kwargs=kwargs, served=str(llm.serving_formats), load_s=load_s)
+        r.update(format=f"{name} prefill/decode" if disaggregated else name, kwargs=kwargs,
+                 served=str(llm.serving_formats), load_s=load_s, disaggregated=disaggregated)
     return results
 
 
-def run_mode(llm: Any, convs: list[Any], max_tokens: int, mode: str) -> dict[str, Any]:
+def generate_texts(llm: Any, prompts: list[list[int]], params: Any,
+                   disaggregated: bool) -> list[str]:
+    """Each prompt's output text, colocated or handed over from prefill to decode."""
+    if not disaggregated:
+        return [out.outputs[0].text for out in llm.generate(prompts, params)]
+    from runtime.disagg.local import LocalTransfer
+
+    local = LocalTransfer(llm.engine, llm.engine)
+    texts = []
+    for lo in range(0, len(prompts), DISAGG_BATCH):
+        batch = {f"tool-{i}": p for i, p in enumerate(prompts[lo : lo + DISAGG_BATCH], lo)}
+        results = local.generate(batch, params)
+        for rid in batch:
+            if results[rid].error is not None:
+                raise results[rid].error
+            texts.append(results[rid].text)
+    return texts
+
+
+def run_mode(llm: Any, convs: list[Any], max_tokens: int, mode: str,
+             disaggregated: bool = False) -> dict[str, Any]:
     from runtime import SamplingParams
 
     start = time.perf_counter()
@@ -133,12 +161,12 @@ def run_mode(llm: Any, convs: list[Any], max_tokens: int, mode: str) -> dict[str
                             include_stop_str_in_output=True)
     tok = llm.tokenizer
     prefix = tok.encode(OPENED, add_special_tokens=False) if mode == "opened" else []
-    outputs = llm.generate([tok.encode_chat(messages) + prefix for messages, _, _ in convs],
-                           params)
+    outputs = generate_texts(llm, [tok.encode_chat(messages) + prefix
+                                   for messages, _, _ in convs], params, disaggregated)
     generate_s = time.perf_counter() - start
     rows = []
     for (_, names, expected), out in zip(convs, outputs, strict=True):
-        text = (OPENED if mode == "opened" else "") + out.outputs[0].text
+        text = (OPENED if mode == "opened" else "") + out
         s = score(text, names, expected)
         rows.append({"expected": expected, "offered": names, "outcome": s.outcome,
                      "right_function": s.right_function, "detail": s.detail, "text": text})
@@ -186,12 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", choices=["auto", "opened"], default=["opened"])
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    ap.add_argument("--disaggregated", action="store_true",
+                    help="prefill each request, then hand it over to be decoded (see above)")
     ap.add_argument("--out", default="ops/eval/out/tool_calls.json")
     args = ap.parse_args(argv)
     convs = conversations()[: args.limit]
     results = []
     for name in args.formats:
-        for r in run_format(name, FORMATS[name], convs, args.max_tokens, args.modes):
+        for r in run_format(name, FORMATS[name], convs, args.max_tokens, args.modes,
+                            args.disaggregated):
             results.append(r)
             print(f"{name} {r['mode']}: validity {r['validity']:.3f} {r['counts']} "
                   f"({r['generate_s']:.0f} s)", flush=True)

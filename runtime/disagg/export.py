@@ -3,9 +3,11 @@ until their frames are out, then release them.
 
 `KVExport.start` admits the request to the prefill engine with one output token; the engine's
 ordinary steps prefill it (its own prefix cache included) and sample the first token, and the
-scheduler keeps the pages of a sequence marked `export_kv` when it finishes for length. `frames`
-then checks the pages' tags (fail-closed, the engine's own integrity tracker), and yields the
-encoded frames; `release` gives the pages back, whatever happened.
+scheduler keeps the pages of a sequence marked `export_kv` when it finishes for length (to its
+client it has not finished: `LLMEngine.hands_over`). The begin frame carries what else the
+decode side must continue from: the seeded generator's state and the first token's logprobs.
+`frames` then checks the pages' tags (fail-closed, the engine's own integrity tracker), and
+yields the encoded frames; `release` gives the pages back, whatever happened.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class KVExport:
         colocated engine would validate it)."""
         seq = engine.add_request(request_id, prompt, params, tenant, prompt_text=prompt_text)
         out = cls(engine, seq, seq.max_tokens, counters)
-        seq.export_kv = True
+        seq.export_kv = seq.max_tokens > 1  # a limit of one token is a colocated request's
         seq.max_tokens = 1
         return out
 
@@ -67,8 +69,8 @@ class KVExport:
     @property
     def needs_transfer(self) -> bool:
         """Whether decoding continues elsewhere: not when the first token already ended it."""
-        return (self.seq.is_finished and self.seq.finish_reason == "length"
-                and self.max_tokens > 1 and bool(self.seq.recorded_pages) and not self._released)
+        return (self.seq.is_finished and self.engine.hands_over(self.seq)
+                and bool(self.seq.recorded_pages) and not self._released)
 
     def frames(self, first_page: int = 0, max_frame_bytes: int = DEFAULT_FRAME_BYTES,
                fault: FrameFault | None = None) -> Iterator[bytes]:
@@ -91,7 +93,8 @@ class KVExport:
         yield self._emit(wire.begin_frame(
             rid, num_tokens=num_tokens, page_size=ps, kv_format=fmt, num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            first_token=self.first_token, first_page=first_page), fault)
+            first_token=self.first_token, first_page=first_page,
+            **handover_state(seq)), fault)
         seq_no = 1
         page_layer_bytes = token_bytes_per_layer(fmt, spec.num_kv_heads, spec.head_dim) * ps
         for layers, pages in _chunks(spec.num_layers, first_page, num_pages, page_layer_bytes,
@@ -139,6 +142,18 @@ class KVExport:
         self.engine.scheduler.free_pages(self.seq)
         if self.engine.requests.get(self.request_id) is self.seq:  # released before prefill ran
             self.engine.abort_request(self.request_id)
+
+
+def handover_state(seq: Sequence) -> dict[str, object]:
+    """What the decode side needs beyond the KV to go on exactly as this engine would have:
+    the seeded generator's state after the first draw (CPU `torch.Generator.get_state()`
+    bytes, None when unseeded) and the first token's logprobs ([[token id, logprob], ...],
+    None when not asked for)."""
+    state = seq.state
+    assert state is not None
+    gen = None if state.generator is None else state.generator.get_state().numpy().tobytes()
+    lps = None if state.logprobs is None else [[t, lp] for t, lp in state.logprobs[0].items()]
+    return {"generator_state": gen, "first_logprobs": lps}
 
 
 def _chunks(num_layers: int, first_page: int, num_pages: int, page_layer_bytes: int,

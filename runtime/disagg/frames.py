@@ -3,7 +3,9 @@
 Torch-free. One transfer moves one request's KV from a prefill engine to a decode engine:
 
     begin (seq 0): request id, prompt length, page size, KV format and shape, first sampled
-                   token, first logical page sent (the decode side may hold the ones before)
+                   token, first logical page sent (the decode side may hold the ones before),
+                   the seeded generator's state after the first draw (bytes or nil) and the
+                   first token's logprobs ([[token id, logprob], ...] or nil)
     pages (seq 1..n): a layer range [lo, hi) and logical page positions, and a payload holding,
                    per layer, K then V of the valid tokens of those pages ([kv_heads, tokens,
                    head_dim] in the sender's KV format; fp8 and int8 add K then V scales,
@@ -111,11 +113,13 @@ def _check_pages_header(frame: Frame) -> None:
 
 def begin_frame(request_id: str, *, num_tokens: int, page_size: int, kv_format: str,
                 num_layers: int, num_kv_heads: int, head_dim: int, first_token: int,
-                first_page: int) -> Frame:
+                first_page: int, generator_state: bytes | None = None,
+                first_logprobs: list[list[float]] | None = None) -> Frame:
     return Frame("begin", request_id, 0, {
         "num_tokens": num_tokens, "page_size": page_size, "format": kv_format,
         "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-        "first_token": first_token, "first_page": first_page})
+        "first_token": first_token, "first_page": first_page,
+        "generator_state": generator_state, "first_logprobs": first_logprobs})
 
 
 def pages_frame(request_id: str, seq: int, layers: tuple[int, int], pages: list[int],

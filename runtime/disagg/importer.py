@@ -8,7 +8,9 @@ sequence number, request id, shape, layer range, logical positions inside the re
 no position twice) before its payload is converted to this engine's KV format and written
 into the reserved pages. `commit` checks that every (layer, page) arrived and the end frame
 counted the frames sent, gives each imported page a new generation tag, records those tags as
-the sequence's, and only then hands the sequence to the scheduler as a decode. Any failure
+the sequence's, and only then hands the sequence to the scheduler as a decode, its first token
+already in its detokenizer, grammar, logprobs and seeded generator (as the prefill engine left
+them), so it goes on as a colocated engine would. Any failure
 frees the whole reservation and raises a typed error: `KV_INTEGRITY_VIOLATION` with cause
 `transfer` for frames that cannot be trusted, `DEADLINE_EXCEEDED` for a stalled transfer.
 Follows the shape of vLLM's and SGLang's P/D connectors (decode-side pre-allocation, then
@@ -59,6 +61,8 @@ class KVImport:
         self._next_seq = 0
         self._format = ""
         self._first_token = -1
+        self._generator: torch.Generator | None = None
+        self._first_logprobs: dict[int, float] | None = None
         self._received: list[set[int]] = []  # per layer: logical pages received
         self._page_frames = 0
         self._ended = False
@@ -159,7 +163,36 @@ class KVImport:
         if not isinstance(token, int) or not 0 <= token < self.engine.model_config.vocab_size:
             self._fail("malformed", "first token out of the vocabulary")
         self._format, self._first_token = h["format"], token
+        self._generator = self._begin_generator(h.get("generator_state"))
+        self._first_logprobs = self._begin_logprobs(h.get("first_logprobs"), token)
         self._received = [set() for _ in range(spec.num_layers)]
+
+    def _begin_generator(self, state: object) -> torch.Generator | None:
+        """The seeded generator as the prefill side left it (None for an unseeded request)."""
+        if (state is None) != (self.params.seed is None) or not isinstance(state, bytes | None):
+            self._fail("malformed", "generator state does not match the request's seed")
+        if state is None:
+            return None
+        gen = torch.Generator()
+        try:
+            gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        except (RuntimeError, ValueError):
+            self._fail("malformed", "generator state is not a CPU generator's")
+        return gen
+
+    def _begin_logprobs(self, pairs: object, token: int) -> dict[int, float] | None:
+        """The first token's {token id: logprob} (None when the request asks for none)."""
+        if (pairs is None) != (self.params.logprobs is None):
+            self._fail("malformed", "first token's logprobs do not match the request")
+        if pairs is None:
+            return None
+        try:
+            entry = {int(t): float(lp) for t, lp in pairs}  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            self._fail("malformed", "first token's logprobs are not [id, logprob] pairs")
+        if token not in entry:
+            self._fail("malformed", "first token's logprobs lack the token")
+        return entry
 
     def _pages(self, frame: wire.Frame) -> None:
         if not self._format or self._ended:
@@ -219,16 +252,33 @@ class KVImport:
         seq.num_computed_tokens = len(self.prompt_ids)
         seq.num_cached_tokens = len(self.hits) * pool.page_size
         seq.page_keys, seq.num_pages_cached = self.page_keys[: len(self.hits)], len(self.hits)
-        seq.output_token_ids.append(self._first_token)
-        assert seq.state is not None
-        seq.state.detok.add_token(self._first_token)
-        seq.state.detok.flush(False)  # the prefill side streamed this token's text
+        self._resume(seq)
         self.state = "committed"
         c = self.counters
         c.transfers += 1
         c.pages += len(self.reserved)
         c.duration_s += time.perf_counter() - self._started
         return seq
+
+    def _resume(self, seq: Sequence) -> None:
+        """Put the first token where the prefill engine's own next step would find it: in the
+        output, the detokenizer (its released text is what the prefill side streamed), the
+        grammar, the logprobs, and the seeded generator past its first draw."""
+        state = seq.state
+        assert state is not None
+        token = self._first_token
+        seq.output_token_ids.append(token)
+        state.detok.add_token(token)
+        state.detok.flush(False)
+        if self._generator is not None:
+            state.generator = self._generator
+        if self._first_logprobs is not None:
+            state.logprobs = [self._first_logprobs]
+        if state.grammar is not None and not state.grammar.accept(token):
+            err = TesseraError(f"constrained decoding failed: {state.grammar.error}")
+            self.engine.abort_request(self.request_id, err)
+            self.state = "failed"
+            raise err
 
     def check_deadline(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline \

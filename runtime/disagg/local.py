@@ -22,6 +22,7 @@ from runtime.sampling_params import SamplingParams
 @dataclass
 class LocalResult:
     token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the output text as the client gets it (stop strings cut)
     finish_reason: str | None = None
     error: TesseraError | None = None
     num_cached_tokens: int = 0
@@ -58,8 +59,9 @@ class LocalTransfer:
                     imports.pop(rid).abort()
         while not all(x.prefilled for x in exports.values()):
             for out in self.prefill.step():
-                if out.error is not None and out.request_id in exports:
-                    results[out.request_id].error = out.error
+                if out.request_id in exports:
+                    results[out.request_id].text = out.outputs[0].text
+                    results[out.request_id].error = out.error or results[out.request_id].error
         for rid, exp in exports.items():
             res, imp = results[rid], imports[rid]
             res.first_token_s = time.perf_counter() - start
@@ -85,6 +87,7 @@ class LocalTransfer:
             for out in self.decode.step():
                 res = results[out.request_id]
                 res.token_ids = list(out.outputs[0].token_ids)
+                res.text = out.outputs[0].text
                 res.finish_reason = out.outputs[0].finish_reason
                 res.error = out.error or res.error
         return results
