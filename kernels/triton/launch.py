@@ -221,8 +221,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                              and t.is_contiguous()), "smoothing factors: [kv_heads, dim] fp32"
     if tokens == 0:
         return
-    ks = k_scale if k_scale is not None else k_cache
-    vs = v_scale if v_scale is not None else v_cache
+    # NOTE: bf16 scales are written as their bit patterns (see _bf16_bits)
+    ks = k_scale.view(torch.uint16) if k_scale is not None else k_cache
+    vs = v_scale.view(torch.uint16) if v_scale is not None else v_cache
     dummy = slot_mapping
     store.store_kv_kernel[(tokens, heads)](
         k, v, k_cache, v_cache, ks, vs, slot_mapping,

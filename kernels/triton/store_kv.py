@@ -31,13 +31,37 @@ def _fwht(x, inv_sqrt_dim, DIM: tl.constexpr, LOG2_DIM: tl.constexpr):
 
 
 @triton.jit
+def _bf16_bits(x):
+    """float32 (finite) -> its bf16 rounding to nearest even, as the bf16 bit pattern (uint16).
+    Integer arithmetic, not a cast: triton 3.9's interpreter truncates fp32 -> bf16 casts."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+
+
+@triton.jit
+def _e4m3_code(y):
+    """float32 in [-448, 448] -> e4m3fn byte, rounded to nearest even (as torch's cast).
+    Integer arithmetic: the interpreter's fp32 -> fp8 cast rounds some values otherwise."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(y)
+    # normal range (a >= 2**-6): keep 3 mantissa bits, ties to even, rebias 127 -> 7
+    mag = bits & 0x7FFFFFFF
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal range: multiples of 2**-9 (a * 512 is exact), 8 lands on the first normal
+    sub = ((a * 512.0 + _RNE_MAGIC) - _RNE_MAGIC).to(tl.uint32)
+    return (tl.where(a < 0.015625, sub, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
 def _store_row(x, cache_row_ptr, scale_ptr, offs, shift_ptr, divisor_ptr, inv_sqrt_dim,
                DIM: tl.constexpr, LOG2_DIM: tl.constexpr, QUANT: tl.constexpr,
                ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_DIVISOR: tl.constexpr):
-    # x: [DIM] float32, one (token, head) row. QUANT: 0 cast to the page dtype, 1 e4m3, 2 int8.
+    # x: [DIM] one (token, head) row as given. QUANT: 0 cast to the page dtype, 1 e4m3, 2 int8.
     if QUANT == 0:
         tl.store(cache_row_ptr + offs, x.to(cache_row_ptr.dtype.element_ty))
     else:
+        x = x.to(tl.float32)
         if HAS_SHIFT:
             x = x - tl.load(shift_ptr + offs)
         if HAS_DIVISOR:
@@ -49,16 +73,18 @@ def _store_row(x, cache_row_ptr, scale_ptr, offs, shift_ptr, divisor_ptr, inv_sq
         amax = tl.max(tl.where(is_nan, 0.0, tl.abs(x)), 0)
         amax = tl.where(tl.max(is_nan.to(tl.int32), 0) > 0, 0.0, amax)  # nan amax -> 0
         amax = tl.minimum(amax, 3.4028234663852886e38)  # inf amax -> float32 max
-        scale = tl.maximum(tl.math.div_rn(amax, qmax), 1e-12).to(tl.bfloat16)
-        finite = tl.where(is_nan, 0.0, tl.minimum(tl.maximum(x, -2 * qmax), 2 * qmax))
-        y = tl.math.div_rn(finite, scale.to(tl.float32))
+        scale_bits = _bf16_bits(tl.maximum(tl.math.div_rn(amax, qmax), 1e-12))
+        scale = (scale_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        finite = tl.where(x == float("inf"), 2 * qmax, x)  # torch.nan_to_num's mapping
+        finite = tl.where(is_nan, 0.0, tl.where(x == float("-inf"), -2 * qmax, finite))
+        y = tl.math.div_rn(finite, scale)
         y = tl.minimum(tl.maximum(y, -qmax), qmax)
         if QUANT == 1:
-            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            code = _e4m3_code(y)
         else:
             code = ((y + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int8)
         tl.store(cache_row_ptr + offs, code)
-        tl.store(scale_ptr, scale)
+        tl.store(scale_ptr, scale_bits)  # scales passed as their uint16 view
 
 
 @triton.jit
@@ -82,8 +108,8 @@ def store_kv_kernel(
     page = slot // PAGE_SIZE
     row = head * stride_ch + page * stride_cp + (slot % PAGE_SIZE) * stride_co
     srow = head * stride_sh + page * stride_sp + slot % PAGE_SIZE
-    k = tl.load(k_ptr + tok * stride_kt + head * stride_kh + offs).to(tl.float32)
-    v = tl.load(v_ptr + tok * stride_vt + head * stride_vh + offs).to(tl.float32)
+    k = tl.load(k_ptr + tok * stride_kt + head * stride_kh + offs)
+    v = tl.load(v_ptr + tok * stride_vt + head * stride_vh + offs)
     _store_row(k, k_cache_ptr + row, k_scale_ptr + srow, offs, k_shift_ptr + head * DIM,
                k_divisor_ptr + head * DIM, inv_sqrt_dim, DIM, LOG2_DIM, QUANT, ROTATE,
                HAS_SHIFT, HAS_DIVISOR)
