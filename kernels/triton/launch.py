@@ -75,8 +75,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     hadamard: bool = False, q_scale: torch.Tensor | None = None,
                     out_scale: torch.Tensor | None = None, num_splits: int = 1,
                     seq_valid: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-                    tile_n: int | None = None, out_dtype: torch.dtype | None = None
-                    ) -> torch.Tensor:
+                    tile_n: int | None = None, out_dtype: torch.dtype | None = None,
+                    out: torch.Tensor | None = None,
+                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Varlen paged attention: sequence s has queries q[cu_seqlens_q[s]:cu_seqlens_q[s+1]],
     the last of its seq_lens[s] tokens (its cached prefix, then this chunk; causal with that
     offset), whose KV lives in the pages block_table[s, :]. Decode is q_len 1.
@@ -88,8 +89,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     hadamard / q_scale / out_scale: the rotation and smoothing of `ref_paged_decode_attention`,
     applied the same way (queries scaled and rotated before, output rotated back and scaled
     after the kernel). num_splits > 1: split-K, partials with their log-sum-exp then a merge.
-    Returns [T, heads * dim] in out_dtype (default q's dtype). AssertionError on shapes,
-    dtypes or strides.
+    Returns [T, heads * dim] in out_dtype (default q's dtype), written into `out` when given
+    (contiguous, that shape and dtype). workspace: (partials [T, heads, num_splits, dim],
+    lse [T, heads, num_splits]) float32 contiguous for split-K, else allocated here (CUDA
+    graphs pass preallocated ones). AssertionError on shapes, dtypes or strides.
     """
     paged = _jit()[0]
     assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), (q.shape, q.dtype)
@@ -119,12 +122,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m = max(16, _next_pow2(group)) if decode else max(64, _next_pow2(group))
     block_q = block_m // group
     tile = tile_n or (64 if quant else 32)
-    out = torch.empty(tokens, num_heads, dim, dtype=torch.float32 if post else q_dtype,
-                      device=q.device)
+    if out is not None:
+        assert out.shape == (tokens, num_heads * dim) and out.dtype == out_dtype, \
+            (out.shape, out.dtype, tokens, num_heads * dim, out_dtype)
+        assert out.is_contiguous()
+    final = out
+    if out is None or post:
+        out = torch.empty(tokens, num_heads, dim, dtype=torch.float32 if post else q_dtype,
+                          device=q.device)
+    out = out.view(tokens, num_heads, dim)
     splits = num_splits
     if splits > 1:
-        part = torch.empty(tokens, num_heads, splits, dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+        if workspace is None:
+            workspace = (torch.empty(tokens, num_heads, splits, dim, dtype=torch.float32,
+                                     device=q.device),
+                         torch.empty(tokens, num_heads, splits, dtype=torch.float32,
+                                     device=q.device))
+        part, lse = workspace
+        assert part.shape == (tokens, num_heads, splits, dim) and part.is_contiguous()
+        assert lse.shape == (tokens, num_heads, splits) and lse.is_contiguous()
+        assert part.dtype == lse.dtype == torch.float32
         target, o_strides = part, part.stride()[:3]
     else:
         lse, target, o_strides = out, out, (*out.stride()[:2], 0)
@@ -152,8 +169,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             HEAD_DIM=dim, BLOCK_D=_next_pow2(dim), BLOCK_S=_next_pow2(splits), num_warps=4,
         )
     if post:
-        res = fwht(out) if rotated else out
-        out = _per_kv_head(res, out_scale, kv_heads).to(out_dtype)
+        res = _per_kv_head(fwht(out) if rotated else out, out_scale, kv_heads).to(out_dtype)
+        if final is None:
+            return res.view(tokens, num_heads * dim)
+        out = final.copy_(res.view(tokens, num_heads * dim))
     return out.view(tokens, num_heads * dim)
 
 
