@@ -11,8 +11,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _find_seq(cu_q_ptr, block_idx, num_seqs, BLOCK_Q: tl.constexpr):

@@ -12,12 +12,10 @@ largest magnitude where that exceeds 1 (V is scaled by 2 here).
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-
 import pytest
 import torch
+
+from tests.kernels.triton_pools import DEVICE  # sets TRITON_INTERPRET=1 (before triton) on CPU
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
@@ -50,14 +48,15 @@ class Pool:
             self.v_scale = lazy_zeros(shape[:3], torch.bfloat16)
         self.smoothing = (None, None, None)
         if smooth:
-            self.smoothing = (torch.randn(KV_HEADS, dim, generator=gen),
-                              torch.rand(KV_HEADS, dim, generator=gen) + 0.5,
-                              torch.rand(KV_HEADS, dim, generator=gen) + 0.5)
+            self.smoothing = tuple(t.to(DEVICE) for t in (
+                torch.randn(KV_HEADS, dim, generator=gen),
+                torch.rand(KV_HEADS, dim, generator=gen) + 0.5,
+                torch.rand(KV_HEADS, dim, generator=gen) + 0.5))
         max_pages = -(-max(lens) // PAGE) + 1  # a stale extra column the kernel must not read
         pages = draw_pages(self.num_pages, len(lens) * max_pages, gen)
-        self.table = pages.view(len(lens), max_pages)
-        self.lens = torch.tensor(lens)
-        slots = torch.cat([self.table[s, :].repeat_interleave(PAGE)[:n] * PAGE
+        table = pages.view(len(lens), max_pages)
+        self.table, self.lens = table.to(DEVICE), torch.tensor(lens, device=DEVICE)
+        slots = torch.cat([table[s, :].repeat_interleave(PAGE)[:n] * PAGE
                            + torch.arange(n) % PAGE for s, n in enumerate(lens)])
         tokens = slots.numel()
         # 1-byte scales are amax / 448 or / 127, far from 1: a dropped descale cannot pass
@@ -65,6 +64,7 @@ class Pool:
         v = torch.randn(tokens, KV_HEADS, dim, generator=gen) * 2
         if not self.quant:
             k, v = k.to(storage), v.to(storage)
+        k, v, slots = k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE)
         ref_store_kv(k, v, self.k, self.v, slots, self.k_scale, self.v_scale, self.quant,
                      *self.smoothing)
         q_scale = self.smoothing[1]
@@ -84,12 +84,12 @@ def _close(got: torch.Tensor, want: torch.Tensor, atol: float = ATOL, rtol: floa
 
 
 def _poisoned(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.full((rows, width), float("nan"), dtype=dtype)
+    return torch.full((rows, width), float("nan"), dtype=dtype, device=DEVICE)
 
 
 def _workspace(tokens: int, heads: int, splits: int, dim: int):
-    return (torch.full((tokens, heads, splits, dim), float("nan")),
-            torch.full((tokens, heads, splits), float("nan")))
+    return (torch.full((tokens, heads, splits, dim), float("nan"), device=DEVICE),
+            torch.full((tokens, heads, splits), float("nan"), device=DEVICE))
 
 
 DECODE_CASES = [  # (format, head size, query heads per KV head)
@@ -110,7 +110,7 @@ def test_decode_matches_the_torch_twin_with_1_and_16_splits(fmt, dim, group):
     pool = Pool(fmt, dim, lens, gen)
     heads = KV_HEADS * group
     q = torch.randn(len(lens), heads, dim, generator=gen).to(
-        torch.float16 if fmt == "fp16" else torch.bfloat16)
+        device=DEVICE, dtype=torch.float16 if fmt == "fp16" else torch.bfloat16)
     scale = dim**-0.5
     want = ref_paged_decode_attention(q.float(), pool.k, pool.v, pool.table, pool.lens, scale,
                                       **pool.args())
@@ -118,7 +118,8 @@ def test_decode_matches_the_torch_twin_with_1_and_16_splits(fmt, dim, group):
     for splits in (1, 16):
         out = _poisoned(len(lens), heads * dim, torch.float32)
         launch.paged_attention(q, pool.k, pool.v, pool.table, pool.lens,
-                               torch.arange(len(lens) + 1, dtype=torch.int32), scale,
+                               torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE),
+                               scale,
                                **pool.args(), num_splits=splits, out=out,
                                out_dtype=torch.float32,
                                workspace=_workspace(len(lens), heads, splits, dim)
@@ -150,16 +151,16 @@ def test_varlen_prefill_chunks_and_decodes_in_one_launch_match_the_twins(fmt, di
     heads = KV_HEADS * group
     q_lens = [n for _, n in shape]
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), heads, dim, generator=gen).bfloat16()
+    q = torch.randn(int(cu[-1]), heads, dim, generator=gen).to(DEVICE, torch.bfloat16)
     scale = dim**-0.5
     out = _poisoned(q.shape[0], heads * dim, q.dtype)
-    launch.paged_attention(q, pool.k, pool.v, pool.table, pool.lens, cu, scale, **pool.args(),
-                           out=out)
+    launch.paged_attention(q, pool.k, pool.v, pool.table, pool.lens, cu.to(DEVICE), scale,
+                           **pool.args(), out=out)
     for s, (prefix, n) in enumerate(shape):
         rows = slice(int(cu[s]), int(cu[s + 1]))
         ctx = prefix + n
         pages = pool.table[s, : -(-ctx // PAGE)]
-        mask = torch.arange(ctx)[None] <= torch.arange(prefix, ctx)[:, None]
+        mask = (torch.arange(ctx)[None] <= torch.arange(prefix, ctx)[:, None]).to(DEVICE)
         want = ref_paged_prefill_attention(q[rows].float(), pool.k, pool.v, pages, ctx,
                                            mask if prefix else None, scale, **pool.args())
         _close(out[rows], want)
@@ -172,7 +173,7 @@ def test_smoothed_int8_decode_applies_query_and_output_scales_as_the_twin():
     gen = torch.Generator().manual_seed(7)
     lens = [3, 70, 129]
     pool = Pool("int8", 64, lens, gen, smooth=True)
-    q = torch.randn(len(lens), KV_HEADS * 4, 64, generator=gen).bfloat16()
+    q = torch.randn(len(lens), KV_HEADS * 4, 64, generator=gen).to(DEVICE, torch.bfloat16)
     want = ref_paged_decode_attention(q.float(), pool.k, pool.v, pool.table, pool.lens, 0.125,
                                       **pool.args())
     for splits in (1, 16):
@@ -185,10 +186,10 @@ def test_invalid_sequence_reads_no_kv_and_leaves_the_others_bitwise_unchanged():
     gen = torch.Generator().manual_seed(3)
     lens = [20, 50, 9]
     pool = Pool("fp8", 64, lens, gen)
-    q = torch.randn(len(lens), KV_HEADS * 4, 64, generator=gen).bfloat16()
+    q = torch.randn(len(lens), KV_HEADS * 4, 64, generator=gen).to(DEVICE, torch.bfloat16)
     base = launch.paged_decode_attention(q, pool.k, pool.v, pool.table, pool.lens, 0.125,
                                          **pool.args(), num_splits=4)
-    valid = torch.tensor([1, 0, 1], dtype=torch.int32)
+    valid = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEVICE)
     # a failed sequence may name pages it does not own: point its table past the pool
     table = pool.table.clone()
     table[1] = 2**40
@@ -201,8 +202,8 @@ def test_invalid_sequence_reads_no_kv_and_leaves_the_others_bitwise_unchanged():
 def test_padded_rows_of_length_zero_output_zeros_not_nan():
     gen = torch.Generator().manual_seed(5)
     pool = Pool("bf16", 64, [30, 1], gen)
-    q = torch.randn(2, KV_HEADS, 64, generator=gen).bfloat16()
-    lens = torch.tensor([30, 0])  # a CUDA-graph padding row
+    q = torch.randn(2, KV_HEADS, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    lens = torch.tensor([30, 0], device=DEVICE)  # a CUDA-graph padding row
     for splits in (1, 16):
         got = launch.paged_decode_attention(q, pool.k, pool.v, pool.table, lens, 0.125,
                                             num_splits=splits)
@@ -219,6 +220,6 @@ def test_split_count_policy_depends_on_the_batch_bucket_only():
 def test_launcher_refuses_one_byte_pages_without_their_scales():
     gen = torch.Generator().manual_seed(1)
     pool = Pool("int8", 64, [5], gen)
-    q = torch.randn(1, KV_HEADS, 64, generator=gen).bfloat16()
+    q = torch.randn(1, KV_HEADS, 64, generator=gen).to(DEVICE, torch.bfloat16)
     with pytest.raises(AssertionError, match="need k_scale and v_scale"):
         launch.paged_decode_attention(q, pool.k, pool.v, pool.table, pool.lens, 0.125)

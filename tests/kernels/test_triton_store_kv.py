@@ -5,12 +5,10 @@ inf and outlier rows quantize as the twin does. Tolerance: none (exact equality)
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-
 import pytest
 import torch
+
+from tests.kernels.triton_pools import DEVICE  # sets TRITON_INTERPRET=1 (before triton) on CPU
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
@@ -48,6 +46,7 @@ def test_store_is_bit_for_bit_the_torch_twin_and_slot_minus_one_writes_nothing(
     slots = (pages.repeat_interleave(PAGE) * PAGE + torch.arange(3 * PAGE) % PAGE)[:tokens]
     slots = slots[torch.randperm(tokens, generator=gen)]
     slots[[1, 17, 40]] = -1  # padding rows
+    slots, pages = slots.to(DEVICE), pages.to(DEVICE)
     magnitude = torch.logspace(-4, 3, tokens)[:, None, None]  # tiny to outlier rows
     k = (torch.randn(tokens, KV_HEADS, dim, generator=gen) * magnitude).bfloat16()
     v = (torch.randn(tokens, KV_HEADS, dim, generator=gen) * magnitude).bfloat16()
@@ -55,10 +54,11 @@ def test_store_is_bit_for_bit_the_torch_twin_and_slot_minus_one_writes_nothing(
         k[5, 0, 3], k[6, 0, 9], v[7, 0, 0] = float("nan"), float("inf"), float("-inf")
     smooth = (None, None, None)
     if smoothed:
-        smooth = (torch.randn(KV_HEADS, dim, generator=gen),
-                  torch.rand(KV_HEADS, dim, generator=gen) + 0.5,
-                  torch.rand(KV_HEADS, dim, generator=gen) + 0.5)
+        smooth = tuple(t.to(DEVICE) for t in (torch.randn(KV_HEADS, dim, generator=gen),
+                                              torch.rand(KV_HEADS, dim, generator=gen) + 0.5,
+                                              torch.rand(KV_HEADS, dim, generator=gen) + 0.5))
     # non-contiguous inputs, as slices of a fused projection are
+    k, v = k.to(DEVICE), v.to(DEVICE)
     k = torch.cat([k, torch.zeros_like(k)], dim=-1)[..., :dim]
     results = []
     for store in ("ref", "triton"):
@@ -83,7 +83,7 @@ def test_store_is_bit_for_bit_the_torch_twin_and_slot_minus_one_writes_nothing(
 
 
 def test_store_refuses_quantized_pages_without_scales():
-    kc = torch.zeros(1, 4, PAGE, 64, dtype=torch.int8)
-    x = torch.randn(2, 1, 64)
+    kc = torch.zeros(1, 4, PAGE, 64, dtype=torch.int8, device=DEVICE)
+    x = torch.randn(2, 1, 64, device=DEVICE)
     with pytest.raises(AssertionError, match="need k_scale and v_scale"):
-        launch.store_kv(x, x, kc, kc.clone(), torch.tensor([0, 1]))
+        launch.store_kv(x, x, kc, kc.clone(), torch.tensor([0, 1], device=DEVICE))

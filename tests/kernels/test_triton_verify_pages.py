@@ -5,12 +5,10 @@ freed and remapped pages planted in some sequences only."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-
 import pytest
 import torch
+
+from tests.kernels.triton_pools import DEVICE  # sets TRITON_INTERPRET=1 (before triton) on CPU
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
@@ -33,10 +31,11 @@ def _device_view(tables, records):
     def pad(rows):
         return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
 
-    return (pad(tables), pad([[r.page_id for r in rec] for rec in records]),
-            pad([[r.tag for r in rec] for rec in records]),
-            pad([[r.owner for r in rec] for rec in records]),
-            torch.tensor([len(t) for t in tables], dtype=torch.int32))
+    return tuple(t.to(DEVICE) for t in (
+        pad(tables), pad([[r.page_id for r in rec] for rec in records]),
+        pad([[r.tag for r in rec] for rec in records]),
+        pad([[r.owner for r in rec] for rec in records]),
+        torch.tensor([len(t) for t in tables], dtype=torch.int32)))
 
 
 def test_tag_pass_fails_exactly_the_sequences_the_torch_check_fails():
@@ -63,11 +62,8 @@ def test_tag_pass_fails_exactly_the_sequences_the_torch_check_fails():
     tables[6][0] = 10**9
     page_table, ids, tags, own, counts = _device_view(tables, records)
     ids[6, 0] = 10**9
-    pool_tags = torch.frombuffer(pool.tags, dtype=torch.int64)
-    pool_owners = torch.frombuffer(pool.owner_codes, dtype=torch.int64)
-    pool_refs = torch.frombuffer(pool.refcounts, dtype=torch.int64)
-    valid = torch.full((len(owners),), -7, dtype=torch.int32)
-    cause = valid.clone()
+    pool_tags, pool_owners, pool_refs = (torch.frombuffer(a, dtype=torch.int64).to(DEVICE)
+                                         for a in (pool.tags, pool.owner_codes, pool.refcounts))
     valid, cause = launch.verify_pages(page_table, ids, tags, own, counts, pool_tags,
                                        pool_owners, pool_refs, block=256)
     for s in range(len(owners)):

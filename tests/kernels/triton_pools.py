@@ -1,19 +1,38 @@
-"""Paged KV pools for the Triton kernel tests: big enough that page offsets pass 2**31
-elements, in anonymous mappings so only the pages a test writes take memory."""
+"""Where the Triton kernel tests run, and paged KV pools for them: big enough that page
+offsets pass 2**31 elements, on CPU in anonymous mappings so only the pages a test writes take
+memory.
+
+Importing this sets TRITON_INTERPRET=1 (import it before triton), unless
+TESSERA_TRITON_NATIVE=1 (ops/bench/gpu_check.sh): then the same tests run natively on CUDA.
+"""
 
 from __future__ import annotations
 
 import math
 import mmap
+import os
+import sys
 
 import torch
+
+NATIVE = os.environ.get("TESSERA_TRITON_NATIVE") == "1"
+if not NATIVE and os.environ.get("TRITON_INTERPRET") != "1":
+    # NOTE: triton.language's own jit functions (tl.max, ...) take the mode at triton's import
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before the kernel tests could set "
+                           "TRITON_INTERPRET=1: set it in the environment (or tests/conftest.py)")
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = torch.device("cuda" if NATIVE else "cpu")
 
 INT32_LIMIT = 2**31
 MIN_POOL_PAGES = 32768
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros whose memory the OS commits only where written (like runtime/kv/cache.py)."""
+    """Zeros on DEVICE; on CPU the OS commits their memory only where written (like
+    runtime/kv/cache.py)."""
+    if NATIVE:
+        return torch.zeros(shape, dtype=dtype, device=DEVICE)
     count = math.prod(shape)
     buf = mmap.mmap(-1, max(count * dtype.itemsize, 1))
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
