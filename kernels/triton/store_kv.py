@@ -1,0 +1,119 @@
+"""Write new tokens' K and V into their page slots in Triton, quantizing for 1-byte pages.
+
+The same arithmetic as the torch twin (`kernels/store_kv.py`), in the same order, so codes and
+scales match it bit for bit: (x - shift) / divisor, the Sylvester Walsh-Hadamard butterfly
+(`kernels/hadamard.py`), amax / QMAX rounded to bf16 first and the row divided by the rounded
+scale (IEEE division), clamped to +-448 (e4m3fn) or rounded to nearest even and clamped to
++-127 (int8). NaN becomes 0, +-inf the clamp. Launcher: `kernels/triton/launch.py`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to nearest, ties to even
+_RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _butterfly(x, DIM: tl.constexpr, H: tl.constexpr):
+    # one stage of fwht: pairs (a, b) H apart within blocks of 2H -> (a + b, a - b)
+    y = tl.permute(tl.reshape(x, [DIM // (2 * H), 2, H]), [0, 2, 1])
+    a, b = tl.split(y)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [DIM])
+
+
+@triton.jit
+def _fwht(x, inv_sqrt_dim, DIM: tl.constexpr, LOG2_DIM: tl.constexpr):
+    for i in tl.static_range(LOG2_DIM):
+        x = _butterfly(x, DIM, 1 << i)
+    return x * inv_sqrt_dim
+
+
+@triton.jit
+def _bf16_bits(x):
+    """float32 (finite) -> its bf16 rounding to nearest even, as the bf16 bit pattern (uint16).
+    Integer arithmetic, not a cast: triton 3.9's interpreter truncates fp32 -> bf16 casts."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+
+
+@triton.jit
+def _e4m3_code(y):
+    """float32 in [-448, 448] -> e4m3fn byte, rounded to nearest even (as torch's cast).
+    Integer arithmetic: the interpreter's fp32 -> fp8 cast rounds some values otherwise."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(y)
+    # normal range (a >= 2**-6): keep 3 mantissa bits, ties to even, rebias 127 -> 7
+    mag = bits & 0x7FFFFFFF
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal range: multiples of 2**-9 (a * 512 is exact), 8 lands on the first normal
+    sub = ((a * 512.0 + _RNE_MAGIC) - _RNE_MAGIC).to(tl.uint32)
+    return (tl.where(a < 0.015625, sub, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _store_row(x, cache_row_ptr, scale_ptr, offs, shift_ptr, divisor_ptr, inv_sqrt_dim,
+               DIM: tl.constexpr, LOG2_DIM: tl.constexpr, QUANT: tl.constexpr,
+               ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_DIVISOR: tl.constexpr):
+    # x: [DIM] one (token, head) row as given. QUANT: 0 cast to the page dtype, 1 e4m3, 2 int8.
+    if QUANT == 0:
+        tl.store(cache_row_ptr + offs, x.to(cache_row_ptr.dtype.element_ty))
+    else:
+        x = x.to(tl.float32)
+        if HAS_SHIFT:
+            x = x - tl.load(shift_ptr + offs)
+        if HAS_DIVISOR:
+            x = tl.math.div_rn(x, tl.load(divisor_ptr + offs))
+        if ROTATE:
+            x = _fwht(x, inv_sqrt_dim, DIM, LOG2_DIM)
+        qmax = 448.0 if QUANT == 1 else 127.0
+        is_nan = x != x
+        amax = tl.max(tl.where(is_nan, 0.0, tl.abs(x)), 0)
+        amax = tl.where(tl.max(is_nan.to(tl.int32), 0) > 0, 0.0, amax)  # nan amax -> 0
+        amax = tl.minimum(amax, 3.4028234663852886e38)  # inf amax -> float32 max
+        scale_bits = _bf16_bits(tl.maximum(tl.math.div_rn(amax, qmax), 1e-12))
+        scale = (scale_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        finite = tl.where(x == float("inf"), 2 * qmax, x)  # torch.nan_to_num's mapping
+        finite = tl.where(is_nan, 0.0, tl.where(x == float("-inf"), -2 * qmax, finite))
+        y = tl.math.div_rn(finite, scale)
+        y = tl.minimum(tl.maximum(y, -qmax), qmax)
+        if QUANT == 1:
+            code = _e4m3_code(y)
+        else:
+            code = ((y + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int8)
+        tl.store(cache_row_ptr + offs, code)
+        tl.store(scale_ptr, scale_bits)  # scales passed as their uint16 view
+
+
+@triton.jit
+def store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
+    k_shift_ptr, k_divisor_ptr, v_divisor_ptr, inv_sqrt_dim,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ch, stride_cp, stride_co,
+    stride_sh, stride_sp,
+    PAGE_SIZE: tl.constexpr, DIM: tl.constexpr, LOG2_DIM: tl.constexpr,
+    QUANT: tl.constexpr, ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr,
+    HAS_DIVISOR: tl.constexpr, HAS_V_DIVISOR: tl.constexpr,
+):
+    # grid: (tokens, kv_heads); K and V of one (token, head) per program. slot -1: padding.
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.arange(0, DIM)
+    page = slot // PAGE_SIZE
+    row = head * stride_ch + page * stride_cp + (slot % PAGE_SIZE) * stride_co
+    srow = head * stride_sh + page * stride_sp + slot % PAGE_SIZE
+    k = tl.load(k_ptr + tok * stride_kt + head * stride_kh + offs)
+    v = tl.load(v_ptr + tok * stride_vt + head * stride_vh + offs)
+    _store_row(k, k_cache_ptr + row, k_scale_ptr + srow, offs, k_shift_ptr + head * DIM,
+               k_divisor_ptr + head * DIM, inv_sqrt_dim, DIM, LOG2_DIM, QUANT, ROTATE,
+               HAS_SHIFT, HAS_DIVISOR)
+    _store_row(v, v_cache_ptr + row, v_scale_ptr + srow, offs, k_shift_ptr,
+               v_divisor_ptr + head * DIM, inv_sqrt_dim, DIM, LOG2_DIM, QUANT, ROTATE,
+               False, HAS_V_DIVISOR)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU check (issue 29): on a CUDA machine, within ~8 minutes and without the network,
+# measure copy bandwidth and a bf16 matmul, run the Triton kernel tests natively, and time
+# each kernel (ops/bench/gpu_check.py). Wheels the machine lacks may be carried in
+# ops/bench/wheels/ (installed with --no-index). Without CUDA: exits 2 at once, one line.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_check: no CUDA device (nvidia-smi finds none); nothing measured" >&2
+    exit 2
+fi
+PY=${PYTHON:-python}
+if [ -d ops/bench/wheels ] && ls ops/bench/wheels/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --find-links ops/bench/wheels ops/bench/wheels/*.whl \
+        || echo "gpu_check: carried wheels did not install; continuing with what is there"
+fi
+if ! "$PY" -c "import sys, torch, triton; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: torch sees no CUDA device (or triton is missing); nothing measured" >&2
+    exit 2
+fi
+unset TRITON_INTERPRET
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TESSERA_TRITON_NATIVE=1
+status=0
+echo "## kernel tests, native (TRITON_INTERPRET unset)"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_paged_attention.py \
+    tests/kernels/test_triton_store_kv.py tests/kernels/test_triton_verify_pages.py || status=1
+echo
+timeout 240 "$PY" -m ops.bench.gpu_check "$@" || status=1
+exit $status

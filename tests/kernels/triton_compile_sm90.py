@@ -1,0 +1,80 @@
+"""Compile every Triton kernel variant the launchers use for an H100/H200 (sm_90) without a GPU:
+Triton lowers to PTX and ptxas assembles a cubin on CPU. Run as a script (TRITON_INTERPRET
+unset); prints one line per variant and exits non-zero on the first failure."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from kernels.triton import paged_attention, store_kv, verify_pages
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8": "*u8", "int8": "*i8"}
+
+
+def _build(fn, signature: dict[str, str], constexprs: dict[str, object], warps: int) -> None:
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    src = ASTSource(fn, signature=sig, constexprs=constexprs)
+    compile(src, target=TARGET, options={"num_warps": warps})
+
+
+def attention(fmt: str, q: str, split: bool, group: int, dim: int, block_m: int) -> None:
+    kv = PTR[fmt]
+    quant = {"fp8": 1, "int8": 2}.get(fmt, 0)
+    ints = ["num_seqs", "num_heads", "stride_qt", "stride_qh", "stride_kh", "stride_kp",
+            "stride_ko", "stride_vh", "stride_vp", "stride_vo", "stride_sh", "stride_sp",
+            "stride_bt", "stride_ot", "stride_oh", "stride_os"]
+    sig = {"out_ptr": "*fp32" if split else q, "lse_ptr": "*fp32", "q_ptr": q, "k_ptr": kv,
+           "v_ptr": kv, "ks_ptr": "*bf16", "vs_ptr": "*bf16", "block_table_ptr": "*i64",
+           "seq_lens_ptr": "*i64", "cu_q_ptr": "*i32", "valid_ptr": "*i32",
+           "sm_scale": "fp32", **{n: "i64" if n in ("stride_kh", "stride_vh") else "i32"
+                                  for n in ints}}
+    _build(paged_attention.paged_attention_kernel, sig, dict(
+        GROUP=group, HEAD_DIM=dim, BLOCK_D=dim, PAGE_SIZE=16, BLOCK_M=block_m,
+        BLOCK_Q=block_m // group, TILE_N=64 if quant else 32, KV_QUANT=quant, HAS_VALID=True,
+        SPLIT=split, DOT_F32=False), 4)
+
+
+def main() -> int:
+    variants = [(fmt, q, split, group, dim, bm) for fmt in ("bf16", "fp16", "fp8", "int8")
+                for q, split, group, dim, bm in [("*bf16", False, 4, 128, 16),
+                                                 ("*bf16", True, 8, 64, 16),
+                                                 ("*bf16", False, 1, 128, 64)]]
+    for v in variants:
+        attention(*v)
+        print("ok attention", *v, flush=True)
+    _build(paged_attention.merge_splits_kernel, {
+        "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "num_splits": "i32",
+        "num_heads": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_pt": "i32",
+        "stride_ph": "i32", "stride_ps": "i32"}, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), 4)
+    print("ok merge", flush=True)
+    for cache, quant, dim in (("*bf16", 0, 128), ("*u8", 1, 128), ("*i8", 2, 64)):
+        names = ["stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ch", "stride_cp",
+                 "stride_co", "stride_sh", "stride_sp"]
+        _build(store_kv.store_kv_kernel, {
+            "k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
+            "k_scale_ptr": "*u16", "v_scale_ptr": "*u16", "slot_ptr": "*i64",
+            "k_shift_ptr": "*fp32", "k_divisor_ptr": "*fp32", "v_divisor_ptr": "*fp32",
+            "inv_sqrt_dim": "fp32", **{n: "i32" for n in names}},
+            dict(PAGE_SIZE=16, DIM=dim, LOG2_DIM=dim.bit_length() - 1, QUANT=quant,
+                 ROTATE=quant != 0, HAS_SHIFT=quant != 0, HAS_DIVISOR=quant != 0,
+                 HAS_V_DIVISOR=quant != 0), 1)
+        print("ok store", cache, quant, dim, flush=True)
+    _build(verify_pages.verify_pages_kernel, {
+        "valid_ptr": "*i32", "cause_ptr": "*i32", "page_table_ptr": "*i64",
+        "exp_ids_ptr": "*i64", "exp_tags_ptr": "*i64", "exp_owners_ptr": "*i64",
+        "num_entries_ptr": "*i32", "pool_tags_ptr": "*i64", "pool_owners_ptr": "*i64",
+        "pool_refcounts_ptr": "*i64", "num_pages": "i32", "stride_pt": "i32",
+        "stride_et": "i32", "stride_tt": "i32", "stride_ot": "i32"}, dict(BLOCK=512), 4)
+    print("ok verify_pages", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
