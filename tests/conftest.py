@@ -11,6 +11,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton fixes its mode when first imported: the CPU suite runs the kernels in its interpreter;
+# ops/bench/gpu_check.sh sets TESSERA_TRITON_NATIVE=1 to run the same tests on CUDA.
+if os.environ.get("TESSERA_TRITON_NATIVE") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # The fast tier (`pytest -m "not slow"`: kernels, pages, scheduler, sampling, planner, property
