@@ -18,6 +18,7 @@ from typing import Any
 from gateway.auth import ApiKeys
 from gateway.fairness import TenantLimits
 from gateway.logs import configure, get_logger
+from gateway.ports import PortInUse, check_free
 from gateway.rest.http_server import RestServer
 from gateway.rest.status import GatewayView
 from gateway.runner import GatewayRunner
@@ -216,28 +217,59 @@ def wait_for_workers(runner: GatewayRunner, done: threading.Event, timeout_s: fl
     return False
 
 
+class _StopNow(Exception):
+    """A second SIGINT / SIGTERM during the drain: stop without waiting for it."""
+
+
+def _stop_now(*_: object) -> None:
+    raise _StopNow
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        return _serve(args)
+    except PortInUse as e:
+        print(f"tessera serve: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
     configure()
     keys, dev_key = ApiKeys.load(args.api_keys)
     pool = pool_config(args)
     pools = pool_configs(pool, args)
+    # NOTE: every port before any worker starts, so a taken one costs no model load
+    check_free(args.host, {"--grpc-port": args.grpc_port,
+                           "--http-port": None if args.no_http else args.http_port,
+                           "--metrics-port": args.metrics_port})
     check_pool_args(args)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr=args.host)
+        try:
+            start_http_server(args.metrics_port, addr=args.host)
+        except OSError:
+            raise PortInUse(args.metrics_port, "--metrics-port") from None
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     limits = TenantLimits(args.tenant_max_inflight, args.tenant_max_queued)
-    runner = GatewayRunner(pools, keys, args.host, args.grpc_port,
-                           tenant_limits=limits).start(wait_ready=False)
+    runner = GatewayRunner(pools, keys, args.host, args.grpc_port, tenant_limits=limits)
+    try:
+        runner.start(wait_ready=False)
+    except PortInUse:
+        runner.stop()
+        raise
     print(f"tessera gateway on {runner.target} serving {args.model_id}; starting workers",
           flush=True)
     rest = None
     if not args.no_http:  # up before the workers: while none can start, it says why (503)
         operator_key = args.operator_key or os.environ.get("TESSERA_OPERATOR_KEY") or None
-        rest = serve_rest(runner, args.host, args.http_port, operator_key=operator_key)
+        try:
+            rest = serve_rest(runner, args.host, args.http_port, operator_key=operator_key)
+        except OSError:
+            runner.stop()
+            raise PortInUse(args.http_port, "--http-port") from None
         print(f"REST shim on {rest.url} (OpenAI /v1, Workers AI /ai/run); status page: "
               f"{rest.url}/#key={rest.operator_key}", flush=True)
     if not wait_for_workers(runner, done, pool.start_timeout_s):
@@ -255,12 +287,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"s = Client('{runner.target}', api_key='{key_hint}').generate('Hello', "
           "max_tokens=32); print(''.join(c.text for c in s), s.usage)\"", flush=True)
     done.wait()
-    print(f"draining (up to {args.shutdown_grace_s:g} s)", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop_now)
+    print(f"draining (up to {args.shutdown_grace_s:g} s; Ctrl-C again stops at once)",
+          flush=True)
     # NOTE: the gateway drains first while the shim still relays: new HTTP requests get a
     # typed 503 from it, and requests cut at the end of the grace period end in their own
     # protocol's error shape (JSON body, SSE error event) instead of a dropped connection.
-    runner.call(runner.drain(args.shutdown_grace_s), timeout_s=args.shutdown_grace_s + 30)
-    if rest is not None:
-        runner.call(rest.stop(grace_s=5), timeout_s=30)
+    try:
+        runner.call(runner.drain(args.shutdown_grace_s), timeout_s=args.shutdown_grace_s + 30)
+        if rest is not None:
+            runner.call(rest.stop(grace_s=5), timeout_s=30)
+    except _StopNow:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # stopping already: the last steps run through
+        print("stopping now: requests still running end with UNAVAILABLE", flush=True)
+        if rest is not None:
+            runner.call(rest.stop(grace_s=0), timeout_s=30)
+        runner.stop()
+        return 130
     runner.stop()
     return 0
