@@ -27,6 +27,12 @@ class SmokeFailed(Exception):
     """One step failed; the message says which and why."""
 
 
+def say(text: str) -> None:
+    """One line to stdout in one write, so the server's relayed lines never split it."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,7 +56,7 @@ class Server:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
-            print(f"  serve| {self.lines[-1]}", flush=True)
+            say(f"  serve| {self.lines[-1]}")
 
     def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
         deadline = time.monotonic() + timeout_s
@@ -102,7 +108,7 @@ def grpc_generate(grpc_port: int, key: str) -> str:
     return text
 
 
-def bench_serve(grpc_port: int, key: str, out: Path) -> None:
+def bench_serve(grpc_port: int, key: str, out: Path) -> str:
     proc = subprocess.run(
         ["tessera", "bench", "serve", "--target", f"127.0.0.1:{grpc_port}", "--api-key", key,
          "--num-prompts", "4", "--concurrency", "2", "--input-len", "16", "--output-len", "8",
@@ -110,6 +116,7 @@ def bench_serve(grpc_port: int, key: str, out: Path) -> None:
     if proc.returncode != 0 or not out.exists():
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise SmokeFailed(f"tessera bench serve exited {proc.returncode}: {tail}")
+    return f"results in {out.name}"
 
 
 def step(name: str, fn, *args) -> object:  # type: ignore[no-untyped-def]
@@ -120,7 +127,7 @@ def step(name: str, fn, *args) -> object:  # type: ignore[no-untyped-def]
         raise
     except Exception as e:  # any other failure of a step is that step's failure
         raise SmokeFailed(f"{name}: {type(e).__name__}: {e}") from e
-    print(f"smoke: {name} ok ({time.monotonic() - start:.1f} s): {result!r}"[:300], flush=True)
+    say(f"smoke: {name} ok ({time.monotonic() - start:.1f} s): {result!r}"[:300])
     return result
 
 
@@ -150,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     except SmokeFailed as e:
         print(f"smoke FAILED: {e}", file=sys.stderr, flush=True)
         return 1
-    print("smoke: passed", flush=True)
+    say("smoke: passed")
     return 0
 
 

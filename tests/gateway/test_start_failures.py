@@ -13,10 +13,12 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.client import NO_RETRY, Client, TesseraError
+from gateway.client import NO_RETRY, Client, TesseraError, WorkerStartFailed
 from gateway.start_failures import error_line
 from runtime.loader import default_model_path
 
@@ -106,7 +108,7 @@ def test_a_worker_that_cannot_start_gives_a_typed_error_and_serve_exits_non_zero
     missing = tmp_path / "no-such-model.gguf"
     s = served(missing, start_timeout_s=45)
     s.wait_for("REST shim on")
-    with pytest.raises(TesseraError) as failed:  # waits for the one start, then fails at once
+    with pytest.raises(WorkerStartFailed) as failed:  # waits for the one start, then at once
         s.generate()
     assert failed.value.reason == "WORKER_START_FAILED"
     assert "MODEL_NOT_FOUND" in failed.value.message and str(missing) in failed.value.message
@@ -119,6 +121,10 @@ def test_a_worker_that_cannot_start_gives_a_typed_error_and_serve_exits_non_zero
     assert str(missing) in r.json()["error"]["message"]
     model = s.rest("/v1/models").json()["data"][0]
     assert model["state"] == "failed" and str(missing) in model["start_error"]
+    with grpc.insecure_channel(f"127.0.0.1:{s.grpc_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=30)
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert s.proc.wait(timeout=120) != 0
     assert not any("workers ready" in line for line in s.out)
     assert any("became ready" in line and str(missing) in line for line in s.err), s.err[-5:]
