@@ -48,10 +48,22 @@ class StderrTail:
             self.task = asyncio.create_task(self._relay(stream))
 
     async def _relay(self, stream: asyncio.StreamReader) -> None:
-        while line := await stream.readline():
-            sys.stderr.buffer.write(line)
-            sys.stderr.buffer.flush()
-            self.lines.append(line.decode(errors="replace"))
+        # NOTE: reads to the end whatever happens to the writes: a pipe nobody drains would
+        # block the worker on its next log line.
+        while True:
+            try:
+                line = await stream.readline()
+            except ValueError:  # a line past the reader's limit: what is buffered of it
+                line = await stream.read(1 << 16)
+            if not line:
+                return
+            text = line.decode(errors="replace")
+            self.lines.append(text)
+            try:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+            except (OSError, ValueError):  # the gateway's stderr closed: keep draining
+                pass
 
     async def error_line(self, wait_s: float = 2.0) -> str | None:
         """error_line of what it read; waits up to wait_s for the rest of an exited worker's

@@ -6,6 +6,7 @@ itself (gateway/start_failures.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.client import NO_RETRY, Client, TesseraError, WorkerStartFailed
-from gateway.start_failures import error_line
+from gateway.start_failures import StderrTail, error_line
 from runtime.loader import default_model_path
 
 KEY = "key-start"
@@ -37,6 +38,20 @@ def test_the_cause_is_an_error_log_records_reason_and_error():
              '"event": "worker failed to start", "level": "error"}']
     assert error_line(lines) == "MODEL_NOT_FOUND: model path '/m' does not exist"
     assert error_line(['{"event": "ok", "level": "info"}', "plain words"]) is None
+
+
+def test_a_workers_stderr_is_drained_to_the_end_even_past_a_huge_line(capfd):
+    async def relay() -> str | None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import sys; sys.stderr.write('x' * 300_000 + '\\n' + "
+            "'big\\n' * 20_000 + 'ValueError: bad flag\\n')", stderr=asyncio.subprocess.PIPE)
+        tail = StderrTail()
+        tail.follow(proc.stderr)
+        await asyncio.wait_for(proc.wait(), 60)  # would block on a full pipe
+        return await tail.error_line()
+
+    assert asyncio.run(relay()) == "ValueError: bad flag"
+    assert "big\n" in capfd.readouterr().err  # relayed to the gateway's stderr
 
 
 def _free_port() -> int:
