@@ -37,6 +37,7 @@ from gateway.errors import (  # noqa: F401  (re-exported: the SDK's exception cl
     Unauthenticated,
     Unavailable,
     WorkerLost,
+    WorkerStartFailed,
     from_rpc_error,
 )
 from gateway.stream import (  # noqa: F401  (re-exported)

@@ -32,6 +32,14 @@ class WorkerLost(TesseraError):
     reason = "WORKER_LOST"
     retryable = True
 
+class WorkerStartFailed(TesseraError):
+    """No worker of the model could start, several times in a row (the message gives the
+    worker's last error line). Not retryable as such: the gateway keeps trying to start one,
+    and serves again by itself once the cause (a missing module, a bad model path) is fixed."""
+
+    reason = "WORKER_START_FAILED"
+
+
 class Unavailable(TesseraError):
     """The server is shutting down (or not yet up): retry against another replica."""
 
@@ -82,6 +90,7 @@ REASONS: dict[str, tuple[type[TesseraError], grpc.StatusCode]] = {
                                     grpc.StatusCode.RESOURCE_EXHAUSTED),
     "KV_INTEGRITY_VIOLATION": (KVIntegrityViolation, grpc.StatusCode.ABORTED),
     "WORKER_LOST": (WorkerLost, grpc.StatusCode.UNAVAILABLE),
+    "WORKER_START_FAILED": (WorkerStartFailed, grpc.StatusCode.UNAVAILABLE),
     "UNAVAILABLE": (Unavailable, grpc.StatusCode.UNAVAILABLE),
     "DEADLINE_EXCEEDED": (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     "CANCELLED": (RequestCancelled, grpc.StatusCode.CANCELLED),

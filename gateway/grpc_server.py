@@ -27,6 +27,7 @@ from gateway.errors import Unavailable, WorkerLost, from_rpc_error, to_status
 from gateway.fairness import NO_LIMITS, TenantLimits
 from gateway.interceptors import MalformedRequestInterceptor
 from gateway.logs import get_logger
+from gateway.ports import GRPC_EXCLUSIVE, PortInUse
 from gateway.supervisor import WorkerPool
 from gateway.wire import MAX_NAME_BYTES, SESSION_HEADER
 from runtime.errors import InvalidArgument, ModelNotFound, TesseraError
@@ -196,10 +197,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 continue
             ready = pool.ready()
             status = next((w.status for w in ready if w.status is not None), None)
+            failed = pool.start_failures.failed and not ready
             models.append(pb.ModelInfo(
                 id=model_id, ready_workers=len(ready),
                 revision=status.served.revision if status else "",
-                max_model_len=status.max_model_len if status else 0))
+                max_model_len=status.max_model_len if status else 0,
+                state="ready" if ready else "failed" if failed else "starting",
+                start_error=(pool.start_failures.cause or "") if failed else ""))
         return pb.ListModelsResponse(models=models)
 
     async def _relay(self, model: str,
@@ -339,7 +343,7 @@ async def build_server(gateway: Gateway, host: str = "127.0.0.1",
     """A started-ready (not yet started) server with the gateway, health and reflection."""
     server = grpc.aio.server(
         interceptors=[MalformedRequestInterceptor()],
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), GRPC_EXCLUSIVE])
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -348,5 +352,10 @@ async def build_server(gateway: Gateway, host: str = "127.0.0.1",
     await gateway.refresh_health()
     reflection.enable_server_reflection((name, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                         server)
-    bound_port = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound_port = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises this when the address cannot be bound
+        bound_port = 0
+    if bound_port == 0:
+        raise PortInUse(port, "--grpc-port")
     return server, bound_port

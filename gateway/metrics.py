@@ -32,6 +32,11 @@ COLD_START = Histogram("tessera_gateway_worker_cold_start_seconds",
 WORKERS_LOST = Counter("tessera_gateway_workers_lost_total",
                        "Workers replaced by the supervisor, by cause (engine_dead, engine_stuck, "
                        "unresponsive, exited)", ["model", "cause"])
+WORKER_START_FAILURES = Counter("tessera_gateway_worker_start_failures_total",
+                                "Worker starts that failed (exited or never healthy)", ["model"])
+POOL_START_FAILED = Gauge("tessera_gateway_pool_start_failed",
+                          "1 while a pool is failed: its last --worker-start-failures starts "
+                          "all failed (requests get WORKER_START_FAILED)", ["model"])
 # Read from each worker's Status RPC by the supervisor (workers have no HTTP port of their own).
 WORKER_PAGES = Gauge("tessera_worker_kv_pages", "KV pages by state (free, cached, used)",
                      ["model", "worker", "state"])

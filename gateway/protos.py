@@ -10,6 +10,8 @@ import re
 import sys
 from pathlib import Path
 
+from runtime.extras import require_extra
+
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 DEFAULT_OUT = ROOT / "gateway" / "_proto"
@@ -24,6 +26,7 @@ def proto_files() -> list[Path]:
 
 def generate(out_dir: Path = DEFAULT_OUT) -> list[Path]:
     """Write *_pb2.py, *_pb2.pyi and *_pb2_grpc.py (and package __init__ files) under out_dir."""
+    require_extra("protos", "grpc_tools", what="python -m gateway.protos")
     import grpc_tools
     from grpc_tools import protoc
 

@@ -18,6 +18,7 @@ from typing import Any
 from gateway.auth import ApiKeys
 from gateway.fairness import TenantLimits
 from gateway.logs import configure, get_logger
+from gateway.ports import PortInUse, check_free
 from gateway.rest.http_server import RestServer
 from gateway.rest.status import GatewayView
 from gateway.runner import GatewayRunner
@@ -77,6 +78,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="replace a worker after this many seconds, draining it first")
     p.add_argument("--stuck-after-s", type=float, default=60.0,
                    help="replace a worker whose engine step has run this long")
+    p.add_argument("--worker-start-timeout-s", type=float, default=180.0,
+                   help="how long one worker may take to become ready; `serve` exits non-zero "
+                        "if no worker of the model is ready this long after it starts")
+    p.add_argument("--worker-start-failures", type=int, default=3,
+                   help="failed worker starts in a row after which the model's requests get "
+                        "503 / UNAVAILABLE WORKER_START_FAILED with the cause at once (starts "
+                        "are still retried)")
+    p.add_argument("--max-restart-backoff-s", type=float, default=30.0,
+                   help="the longest wait between restarts of a worker that crashed or could "
+                        "not start (the wait doubles from 0.5 s)")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C: how long in-flight requests may finish")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -179,49 +190,94 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
                       idle_ttl_s=args.idle_ttl_s,
                       recycle_after_requests=args.recycle_after_requests,
                       recycle_after_s=args.recycle_after_s, stuck_after_s=args.stuck_after_s,
-                      worker_args=worker_args(args), worker_threads=args.worker_threads)
+                      worker_args=worker_args(args), worker_threads=args.worker_threads,
+                      start_timeout_s=args.worker_start_timeout_s,
+                      max_start_failures=args.worker_start_failures,
+                      max_restart_backoff_s=args.max_restart_backoff_s)
+
+
+def wait_for_workers(runner: GatewayRunner, done: threading.Event, timeout_s: float) -> bool:
+    """True once every pool has its minimum of ready workers; False if `done` is set first, or
+    (the cause printed) when timeout_s passes with none of them ready."""
+    # NOTE: waiting in slices, so a Ctrl-C or SIGTERM before the workers are ready stops
+    # everything it started (workers, sockets) instead of leaving them behind.
+    give_up_at = time.monotonic() + timeout_s
+    while not done.is_set():
+        try:
+            runner.call(runner.wait_ready(timeout_s=1.0), timeout_s=5)
+            return True
+        except TimeoutError:
+            if time.monotonic() > give_up_at:
+                assert runner.gateway is not None
+                pool = runner.gateway.pools[runner.gateway.default_model]
+                why = pool.start_failures.cause or "see the log above"
+                print(f"tessera serve: no worker of {pool.config.pool_label!r} became ready in "
+                      f"{timeout_s:g} s: {why}", file=sys.stderr, flush=True)
+                return False
+    return False
+
+
+class _StopNow(Exception):
+    """A second SIGINT / SIGTERM during the drain: stop without waiting for it."""
+
+
+def _stop_now(*_: object) -> None:
+    raise _StopNow
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        return _serve(args)
+    except PortInUse as e:
+        print(f"tessera serve: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
     configure()
     keys, dev_key = ApiKeys.load(args.api_keys)
     pool = pool_config(args)
     pools = pool_configs(pool, args)
+    # NOTE: every port before any worker starts, so a taken one costs no model load
+    check_free(args.host, {"--grpc-port": args.grpc_port,
+                           "--http-port": None if args.no_http else args.http_port,
+                           "--metrics-port": args.metrics_port})
     check_pool_args(args)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr=args.host)
+        try:
+            start_http_server(args.metrics_port, addr=args.host)
+        except OSError:
+            raise PortInUse(args.metrics_port, "--metrics-port") from None
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     limits = TenantLimits(args.tenant_max_inflight, args.tenant_max_queued)
-    runner = GatewayRunner(pools, keys, args.host, args.grpc_port,
-                           tenant_limits=limits).start(wait_ready=False)
+    runner = GatewayRunner(pools, keys, args.host, args.grpc_port, tenant_limits=limits)
+    try:
+        runner.start(wait_ready=False)
+    except PortInUse:
+        runner.stop()
+        raise
     print(f"tessera gateway on {runner.target} serving {args.model_id}; starting workers",
           flush=True)
-    # NOTE: waiting in slices, so a Ctrl-C or SIGTERM before the workers are ready stops
-    # everything it started (workers, sockets) instead of leaving them behind.
-    give_up_at = time.monotonic() + pool.start_timeout_s + 60
-    while not done.is_set():
-        try:
-            runner.call(runner.wait_ready(timeout_s=1.0), timeout_s=5)
-            break
-        except TimeoutError:
-            if time.monotonic() > give_up_at:
-                print("no worker became ready; see the log above", file=sys.stderr, flush=True)
-                runner.stop()
-                return 1
-    if done.is_set():
-        runner.stop()
-        return 0
-    print("workers ready", flush=True)
     rest = None
-    if not args.no_http:
+    if not args.no_http:  # up before the workers: while none can start, it says why (503)
         operator_key = args.operator_key or os.environ.get("TESSERA_OPERATOR_KEY") or None
-        rest = serve_rest(runner, args.host, args.http_port, operator_key=operator_key)
+        try:
+            rest = serve_rest(runner, args.host, args.http_port, operator_key=operator_key)
+        except OSError:
+            runner.stop()
+            raise PortInUse(args.http_port, "--http-port") from None
         print(f"REST shim on {rest.url} (OpenAI /v1, Workers AI /ai/run); status page: "
               f"{rest.url}/#key={rest.operator_key}", flush=True)
+    if not wait_for_workers(runner, done, pool.start_timeout_s):
+        if rest is not None:
+            runner.call(rest.stop(grace_s=1), timeout_s=30)
+        runner.stop()
+        return 0 if done.is_set() else 1
+    print("workers ready", flush=True)
     if dev_key is not None:
         print(f"dev API key (tenant 'dev'): {dev_key}", flush=True)
         key_hint = dev_key
@@ -231,12 +287,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"s = Client('{runner.target}', api_key='{key_hint}').generate('Hello', "
           "max_tokens=32); print(''.join(c.text for c in s), s.usage)\"", flush=True)
     done.wait()
-    print(f"draining (up to {args.shutdown_grace_s:g} s)", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop_now)
+    print(f"draining (up to {args.shutdown_grace_s:g} s; Ctrl-C again stops at once)",
+          flush=True)
     # NOTE: the gateway drains first while the shim still relays: new HTTP requests get a
     # typed 503 from it, and requests cut at the end of the grace period end in their own
     # protocol's error shape (JSON body, SSE error event) instead of a dropped connection.
-    runner.call(runner.drain(args.shutdown_grace_s), timeout_s=args.shutdown_grace_s + 30)
-    if rest is not None:
-        runner.call(rest.stop(grace_s=5), timeout_s=30)
+    try:
+        runner.call(runner.drain(args.shutdown_grace_s), timeout_s=args.shutdown_grace_s + 30)
+        if rest is not None:
+            runner.call(rest.stop(grace_s=5), timeout_s=30)
+    except _StopNow:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # stopping already: the last steps run through
+        print("stopping now: requests still running end with UNAVAILABLE", flush=True)
+        if rest is not None:
+            runner.call(rest.stop(grace_s=0), timeout_s=30)
+        runner.stop()
+        return 130
     runner.stop()
     return 0

@@ -21,6 +21,7 @@ from gateway.errors import DeadlineExceeded, Overloaded, TenantConcurrencyExceed
 from gateway.fairness import NO_LIMITS, FairQueue, TenantLimits, Ticket
 from gateway.logs import get_logger
 from gateway.router import Router
+from gateway.start_failures import StartFailures
 from gateway.worker_handle import WorkerHandle
 from runtime.errors import InvalidArgument
 from runtime.threads import share_of_cores, thread_env
@@ -49,6 +50,9 @@ class PoolConfig:
     max_missed_health: int = 3
     restart_backoff_s: float = 0.5
     max_restart_backoff_s: float = 30.0
+    # this many failed starts in a row fail the pool: requests get WORKER_START_FAILED at once
+    # (gateway/start_failures.py) while starts are still retried on the back-off above
+    max_start_failures: int = 3
     worker_args: tuple[str, ...] = ()
     worker_env: tuple[tuple[str, str], ...] = ()
     # CPU threads per worker; None: this host's cores split evenly among max_workers
@@ -75,6 +79,9 @@ class PoolConfig:
                                   field="stuck_after_s")
         if self.worker_threads is not None and self.worker_threads < 1:
             raise InvalidArgument("worker_threads must be >= 1", field="worker_threads")
+        if self.max_start_failures < 1 or self.max_restart_backoff_s < self.restart_backoff_s:
+            raise InvalidArgument("max_start_failures must be >= 1 and max_restart_backoff_s "
+                                  ">= restart_backoff_s", field="max_start_failures")
         if self.max_inflight < 1 or self.max_queue < 0:
             raise InvalidArgument("max_inflight must be >= 1 and max_queue >= 0",
                                   field="max_inflight")
@@ -98,6 +105,7 @@ class WorkerPool:
         self.router = Router()
         self.workers: dict[str, WorkerHandle] = {}
         self.stats = PoolStats()
+        self.start_failures = StartFailures(config.pool_label, config.max_start_failures)
         self.waiting = 0  # requests that could not start at once, all tenants
         self.queue = FairQueue()
         self._changed = asyncio.Condition()
@@ -134,6 +142,9 @@ class WorkerPool:
             started = queued = False
             try:
                 while True:
+                    if self.start_failures.failed and not self.ready():
+                        self._scale_up()  # still retried, on its back-off
+                        raise self.start_failures.error()
                     if self.queue.next_up() is ticket:
                         worker = self.router.pick(self.live(), session, prefix_key)
                         if worker is not None:
@@ -314,8 +325,10 @@ class WorkerPool:
         try:
             await worker.launch(self._command(worker), env, self.config.start_timeout_s)
         except Exception as e:
-            log.warning("worker failed to start", worker=worker.id, error=str(e))
+            if worker.state == "starting":  # not stopped by a drain or close meanwhile
+                await self._start_failed(worker, str(e))
         if worker.state == "ready":
+            self.start_failures.record_ready()
             self.stats.cold_starts_s.append(worker.cold_start_s)
             metrics.COLD_START.labels(self.config.pool_label).observe(worker.cold_start_s)
             self._consecutive_crashes = 0
@@ -331,6 +344,14 @@ class WorkerPool:
             await worker.close_channel()
         self._update_gauges()
         await self._notify()
+
+    async def _start_failed(self, worker: WorkerHandle, error: str) -> None:
+        cause = await worker.stderr.error_line() or error
+        log.warning("worker failed to start", worker=worker.id, error=error, cause=cause)
+        if self.start_failures.record_failure(cause):
+            log.error("pool failed: its workers cannot start; still retrying",
+                      model=self.config.pool_label, tries=self.start_failures.consecutive,
+                      cause=cause)
 
     def _on_crash(self, worker: WorkerHandle, code: int | None) -> None:
         if worker.state != "lost":  # not replaced by the supervisor: it exited on its own

@@ -13,6 +13,7 @@ import grpc
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import WorkerLost
+from gateway.start_failures import StderrTail
 from gateway.wire import ServedInfo
 
 
@@ -33,6 +34,7 @@ class WorkerHandle:
         self.stub: worker_pb2_grpc.WorkerStub | None = None
         self.status: wpb.StatusResponse | None = None
         self.missed_health = 0
+        self.stderr = StderrTail()  # relayed to the gateway's stderr; its last error line kept
 
     @property
     def available(self) -> bool:
@@ -60,7 +62,9 @@ class WorkerHandle:
         # group) reaches only the gateway, which drains and then stops its workers; the worker
         # still exits with its parent (gateway/worker.py: _exit_with_parent).
         self.process = await asyncio.create_subprocess_exec(
-            *command, env=env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+            *command, env=env, stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True)
+        self.stderr.follow(self.process.stderr)
         self.channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}")
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         deadline = self.started_at + timeout_s

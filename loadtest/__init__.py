@@ -5,10 +5,15 @@ Run with `python3 -m locust -f loadtest/locustfile.py` (docs/operations.md, "Loa
 
 from __future__ import annotations
 
-import locust  # noqa: F401  (first: it monkey-patches the standard library for gevent)
+from runtime.extras import require_extra
+
+require_extra("load", "locust", "gevent", "geventhttpclient", what="loadtest/")
 
 # isort: split
-from grpc.experimental import gevent as grpc_gevent
+import locust  # noqa: E402, F401  (before other imports: it patches the standard library for gevent)
+
+# isort: split
+from grpc.experimental import gevent as grpc_gevent  # noqa: E402
 
 # NOTE: after gevent's patching and before any channel exists, or gRPC calls block every user.
 grpc_gevent.init_gevent()

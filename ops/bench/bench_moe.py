@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from kernels.moe import fused_moe
 from runtime import LLM, SamplingParams
+from runtime.extras import require_extra
 from runtime.models.moe import FusedExperts
 
 CONFIG = dict(vocab_size=49152, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
@@ -115,6 +116,7 @@ def layer_ms(rows: int, repeats: int = 40) -> dict[str, float]:
 
 
 def main() -> None:
+    require_extra("compare", "transformers", what="ops.bench.bench_moe")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=32)

@@ -204,16 +204,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "revision", "max_model_len", "ready_workers")
+    __slots__ = ("id", "revision", "max_model_len", "ready_workers", "state", "start_error")
     ID_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     READY_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    START_ERROR_FIELD_NUMBER: _ClassVar[int]
     id: str
     revision: str
     max_model_len: int
     ready_workers: int
-    def __init__(self, id: _Optional[str] = ..., revision: _Optional[str] = ..., max_model_len: _Optional[int] = ..., ready_workers: _Optional[int] = ...) -> None: ...
+    state: str
+    start_error: str
+    def __init__(self, id: _Optional[str] = ..., revision: _Optional[str] = ..., max_model_len: _Optional[int] = ..., ready_workers: _Optional[int] = ..., state: _Optional[str] = ..., start_error: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
