@@ -69,6 +69,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tenant-max-queued", type=int, default=DEFAULT_TENANT_MAX_QUEUED,
                    help="requests one tenant may have waiting per model, for keys that set no "
                         "max_queued; past it, 429 TENANT_CONCURRENCY_EXCEEDED")
+    p.add_argument("--no-worker-template", action="store_true",
+                   help="spawn every worker afresh; by default, when --min-workers is 0 or the "
+                        "pool can grow, workers are forked from a template process that has "
+                        "the model open and its weights mapped")
     p.add_argument("--idle-ttl-s", type=float, default=None,
                    help="stop workers idle this long, down to --min-workers (None: never)")
     p.add_argument("--recycle-after-requests", type=int, default=None,
@@ -179,7 +183,8 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
                       idle_ttl_s=args.idle_ttl_s,
                       recycle_after_requests=args.recycle_after_requests,
                       recycle_after_s=args.recycle_after_s, stuck_after_s=args.stuck_after_s,
-                      worker_args=worker_args(args), worker_threads=args.worker_threads)
+                      worker_args=worker_args(args), worker_threads=args.worker_threads,
+                      template=False if args.no_worker_template else None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
