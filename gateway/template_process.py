@@ -71,6 +71,12 @@ class Template:
         self.checkpoint = open_checkpoint(args.model)
         self.key = _source_stamp(self.checkpoint.path)
         t = self._mark("checkpoint", t)
+        from runtime.grammar import llguidance_tokenizer
+
+        cfg = self.checkpoint.config
+        llguidance_tokenizer(self.checkpoint.tokenizer, cfg.vocab_size,
+                             sorted(set(cfg.eos_token_ids)))
+        t = self._mark("grammar_tokenizer", t)
         from runtime.loader.gguf_loader import GGUFCheckpoint
 
         if (config.mapped_weights and config.gguf_weights != "dequantize"

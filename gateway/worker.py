@@ -272,14 +272,17 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None) 
     from runtime.loader import open_checkpoint
 
     worker_id = args.worker_id or f"worker-{os.getpid()}"
+    started = time.monotonic()
     engine = LLMEngine(checkpoint or open_checkpoint(args.model), engine_config(args))
+    engine_s = time.monotonic() - started
     # NOTE: before the socket exists, so the gateway never routes to a worker that would pay
     # a native build or a first-use cost on a client's request.
     started = time.monotonic()
     engine.warm_up()
     native_ops = native_status() if engine.device.type == "cpu" else ""
     log.info("worker warmed up", worker=worker_id, native_ops=native_ops,
-             warm_up_s=round(time.monotonic() - started, 3))
+             engine_s=round(engine_s, 3), warm_up_s=round(time.monotonic() - started, 3),
+             forked=checkpoint is not None)
     llm = AsyncLLM(engine)
     served = _served(engine, args.model, worker_id, args.served_model_name)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
