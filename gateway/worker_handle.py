@@ -90,7 +90,7 @@ class WorkerHandle:
                         return
                 except grpc.aio.AioRpcError:
                     pass
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.02)  # a forked worker is ready in a few hundred ms
         self.kill()
         raise WorkerLost(f"worker {self.id} not healthy after {timeout_s:.0f} s")
 
