@@ -15,17 +15,12 @@ from torch import nn
 
 from runtime.errors import InvalidArgument
 from runtime.loader.gguf_loader import GGUFCheckpoint
-from runtime.quant.blocks import BlockEmbedding, BlockLinear, BlockPlanes, cat_planes
+from runtime.loader.gguf_planes import stored_planes
+from runtime.quant.blocks import BlockEmbedding, BlockLinear, BlockPlanes
 from runtime.serving_formats import ServingFormats
 
 log = logging.getLogger("tessera.loader")
 
-# fused module -> its checkpoint shards, in order
-_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "self_attn.o_proj": ("self_attn.o_proj",),
-          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-          "mlp.down_proj": ("mlp.down_proj",)}
-EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def load_gguf_as_stored(model: nn.Module, checkpoint: GGUFCheckpoint,
@@ -48,32 +43,6 @@ def load_gguf_as_stored(model: nn.Module, checkpoint: GGUFCheckpoint,
     log.info("GGUF weights served as stored%s: %d modules in blocks (%.1f MB), the rest "
              "dequantized", " from the mapped file" if mapped else "", len(planes), kept / 1e6)
     return kept
-
-
-def stored_planes(config: object, checkpoint: GGUFCheckpoint
-                  ) -> tuple[dict[str, BlockPlanes], frozenset[str]]:
-    """Module name -> the block planes it serves (fused q/k/v and gate/up stacked; no
-    `lm_head` entry when it is tied to the embedding), and the checkpoint tensors they cover."""
-    blocks = dict(checkpoint.block_tensors())
-    planes: dict[str, BlockPlanes] = {}
-    used: set[str] = set()
-    for i in range(config.num_hidden_layers):  # type: ignore[attr-defined]
-        layer = f"model.layers.{i}"
-        for fused, shards in _FUSED.items():
-            names = [f"{layer}.{s}.weight" for s in shards]
-            parts = [blocks.get(n) for n in names]
-            if any(p is None for p in parts) or len({(p.kind, p.in_features)
-                                                     for p in parts if p}) != 1:
-                continue  # loads dequantized (nn.Linear) like any other tensor
-            planes[f"{layer}.{fused}"] = cat_planes([p for p in parts if p is not None])
-            used.update(names)
-    if EMBED in blocks:
-        planes["model.embed_tokens"] = blocks[EMBED]
-        used.add(EMBED)
-    if HEAD in blocks and not config.tie_word_embeddings:  # type: ignore[attr-defined]
-        planes["lm_head"] = blocks[HEAD]
-        used.add(HEAD)
-    return planes, frozenset(used)
 
 
 def install_planes(model: nn.Module, planes: dict[str, BlockPlanes], activations: str) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from runtime.errors import ModelLoadError
 from runtime.loader.gguf_loader import GGUFCheckpoint
+from runtime.loader.gguf_planes import stored_planes
 from runtime.loader.mapped import MappedWeights, open_or_make
 from runtime.quant.blocks import BlockPlanes
 
@@ -44,8 +45,6 @@ def checkpoint_mapping(checkpoint: GGUFCheckpoint) -> MappedWeights:
 
 
 def _convert(checkpoint: GGUFCheckpoint) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-    from runtime.loader.gguf_blocks import stored_planes
-
     planes, used = stored_planes(checkpoint.config, checkpoint)
     tensors: list[tuple[str, torch.Tensor]] = []
     kinds: dict[str, str] = {}
