@@ -70,6 +70,9 @@ class Template:
         config = engine_config(args)
         self.checkpoint = open_checkpoint(args.model)
         self.key = _source_stamp(self.checkpoint.path)
+        from runtime.models import model_class
+
+        model_class(self.checkpoint.config)  # its architecture's module, imported once here
         t = self._mark("checkpoint", t)
         from runtime.grammar import llguidance_tokenizer
 
