@@ -96,6 +96,10 @@ class Template:
             self.load()
         if _threads() != 1:
             raise RuntimeError(f"the template runs {_threads()} threads: forking it is unsafe")
+        import torch
+
+        if torch.cuda.is_initialized():  # NOTE: a child cannot re-initialise CUDA after a fork
+            raise RuntimeError("CUDA is initialised in the template: forking it is unsafe")
         gc.freeze()  # NOTE: the child's refcount writes then leave the template's pages shared
         pid = os.fork()
         if pid == 0:
