@@ -70,6 +70,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tenant-max-queued", type=int, default=DEFAULT_TENANT_MAX_QUEUED,
                    help="requests one tenant may have waiting per model, for keys that set no "
                         "max_queued; past it, 429 TENANT_CONCURRENCY_EXCEEDED")
+    p.add_argument("--no-worker-template", action="store_true",
+                   help="spawn every worker afresh; by default, when --min-workers is 0 or the "
+                        "pool can grow, workers are forked from a template process that has "
+                        "the model open and its weights mapped")
     p.add_argument("--idle-ttl-s", type=float, default=None,
                    help="stop workers idle this long, down to --min-workers (None: never)")
     p.add_argument("--recycle-after-requests", type=int, default=None,
@@ -193,7 +197,8 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
                       worker_args=worker_args(args), worker_threads=args.worker_threads,
                       start_timeout_s=args.worker_start_timeout_s,
                       max_start_failures=args.worker_start_failures,
-                      max_restart_backoff_s=args.max_restart_backoff_s)
+                      max_restart_backoff_s=args.max_restart_backoff_s,
+                      template=False if args.no_worker_template else None)
 
 
 def wait_for_workers(runner: GatewayRunner, done: threading.Event, timeout_s: float) -> bool:

@@ -22,6 +22,7 @@ from gateway.fairness import NO_LIMITS, FairQueue, TenantLimits, Ticket
 from gateway.logs import get_logger
 from gateway.router import Router
 from gateway.start_failures import StartFailures
+from gateway.template import WorkerTemplate, uses_template
 from gateway.worker_handle import WorkerHandle
 from runtime.errors import InvalidArgument
 from runtime.threads import share_of_cores, thread_env
@@ -61,6 +62,9 @@ class PoolConfig:
     # formats in worker_args (gateway/transfer.py). A decode pool bounds each KV transfer.
     role: str = "both"
     transfer_timeout_s: float = 60.0
+    # fork workers from a template process (gateway/template.py); None: when the pool scales
+    # from zero or can grow
+    template: bool | None = None
 
     @property
     def pool_label(self) -> str:
@@ -115,10 +119,16 @@ class WorkerPool:
         self._closed = False
         self._maintainer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._template: WorkerTemplate | None = None
 
     # -- admission ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        cfg = self.config
+        if uses_template(cfg.template, cfg.min_workers, cfg.max_workers):
+            shape = WorkerHandle(f"{cfg.pool_label}-template", "", cfg.max_inflight)
+            self._template = WorkerTemplate(self._command(shape), self._worker_env())
+            self._background(self._template.start(cfg.start_timeout_s))
         self._maintainer = asyncio.create_task(self._maintain())
         await self._ensure_min()
 
@@ -317,13 +327,18 @@ class WorkerPool:
             cmd += ["--role", self.config.role]
         return cmd + list(self.config.worker_args)
 
-    async def _run(self, worker: WorkerHandle) -> None:
-        """Start one worker, wait for health, then watch it until it exits."""
+    def _worker_env(self) -> dict[str, str]:
         env = {**os.environ, **thread_env(self.threads_per_worker),
                **dict(self.config.worker_env)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+        return env
+
+    async def _run(self, worker: WorkerHandle) -> None:
+        """Start one worker, wait for health, then watch it until it exits."""
+        start = None if self._template is None else self._template.start_worker
         try:
-            await worker.launch(self._command(worker), env, self.config.start_timeout_s)
+            await worker.launch(self._command(worker), self._worker_env(),
+                                self.config.start_timeout_s, start)
         except Exception as e:
             if worker.state == "starting":  # not stopped by a drain or close meanwhile
                 await self._start_failed(worker, str(e))
@@ -434,6 +449,8 @@ class WorkerPool:
         for w in workers:
             w.state = "stopped"
         await asyncio.gather(*(w.terminate() for w in workers), return_exceptions=True)
+        if self._template is not None:
+            await self._template.close()
         await self._notify()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -30,6 +31,7 @@ from runtime.async_engine import AsyncLLM
 from runtime.candidates import generate_candidates
 from runtime.engine_flags import add_engine_flags, engine_config
 from runtime.errors import InvalidArgument, RequestCancelled, TesseraError
+from runtime.loader.checkpoint import Checkpoint
 from runtime.outputs import RequestOutput
 
 log = get_logger("tessera.worker")
@@ -204,22 +206,33 @@ def _served(engine, model: str | None, worker_id: str,
                               worker_id)
 
 
-def _exit_with_parent(socket_path: str, period_s: float = 0.5) -> None:
+def _exit_with_parent(socket_path: str, period_s: float = 0.5,
+                      parent_pidfd: int | None = None) -> None:
     """A worker outlives no gateway, whatever phase it is in (loading, warming up, serving):
     when its parent goes (even by SIGKILL), it removes its socket, and the gateway's socket
-    folder once empty, and exits."""
+    folder once empty, and exits. A worker forked from a template (gateway/template_process.py)
+    watches the gateway through `parent_pidfd` instead: its parent is the template, which may
+    go first without taking the worker with it."""
     parent = os.getppid()
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(period_s)
+    def gone() -> None:
         with contextlib.suppress(OSError):
             os.unlink(socket_path)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(socket_path))
         os._exit(0)
 
-    threading.Thread(target=watch, name="tessera-parent-watch", daemon=True).start()
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        gone()
+
+    def watch_pidfd() -> None:
+        select.select([parent_pidfd], [], [])  # readable once the gateway has exited
+        gone()
+
+    threading.Thread(target=watch if parent_pidfd is None else watch_pidfd,
+                     name="tessera-parent-watch", daemon=True).start()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -250,19 +263,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None) -> None:
+    """Serve until SIGTERM. `checkpoint`: one opened already (by a template this process was
+    forked from), else `args.model` is opened here."""
     from kernels.cpu_ops import native_status
     from runtime.engine import LLMEngine
+    from runtime.loader import open_checkpoint
 
     worker_id = args.worker_id or f"worker-{os.getpid()}"
-    engine = LLMEngine.from_path(args.model, engine_config(args))
+    started = time.monotonic()
+    engine = LLMEngine(checkpoint or open_checkpoint(args.model), engine_config(args))
+    engine_s = time.monotonic() - started
     # NOTE: before the socket exists, so the gateway never routes to a worker that would pay
     # a native build or a first-use cost on a client's request.
     started = time.monotonic()
     engine.warm_up()
     native_ops = native_status() if engine.device.type == "cpu" else ""
     log.info("worker warmed up", worker=worker_id, native_ops=native_ops,
-             warm_up_s=round(time.monotonic() - started, 3))
+             engine_s=round(engine_s, 3), warm_up_s=round(time.monotonic() - started, 3),
+             forked=checkpoint is not None)
     llm = AsyncLLM(engine)
     served = _served(engine, args.model, worker_id, args.served_model_name)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
@@ -283,12 +302,15 @@ async def serve(args: argparse.Namespace) -> None:
     llm.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, checkpoint: Checkpoint | None = None,
+         parent_pidfd: int | None = None) -> int:
+    """The worker's process entry; a template's forked child passes its opened `checkpoint`
+    and a pidfd of the gateway to exit with."""
     configure()
     args = parse_args(argv)
-    _exit_with_parent(args.socket)
+    _exit_with_parent(args.socket, parent_pidfd=parent_pidfd)
     try:
-        asyncio.run(serve(args))
+        asyncio.run(serve(args, checkpoint))
     except TesseraError as e:
         log.error("worker failed to start", reason=e.reason, error=e.message)
         return 2

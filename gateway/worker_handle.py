@@ -7,6 +7,8 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -15,6 +17,15 @@ from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import WorkerLost
 from gateway.start_failures import StderrTail
 from gateway.wire import ServedInfo
+
+# (command, env) -> a started process: asyncio's, or gateway.template.ForkedProcess
+StartProcess = Callable[[list[str], dict[str, str]], Awaitable[Any]]
+
+
+async def _spawn(command: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *command, env=env, stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True)
 
 
 class WorkerHandle:
@@ -29,7 +40,7 @@ class WorkerHandle:
         self.started_at = time.monotonic()
         self.ready_at = 0.0
         self.last_used = self.started_at
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: Any = None  # asyncio.subprocess.Process or a ForkedProcess
         self.channel: grpc.aio.Channel | None = None
         self.stub: worker_pb2_grpc.WorkerStub | None = None
         self.status: wpb.StatusResponse | None = None
@@ -54,17 +65,18 @@ class WorkerHandle:
             return None
         return ServedInfo.from_proto(self.status.served)
 
-    async def launch(self, command: list[str], env: dict[str, str], timeout_s: float) -> None:
-        """Start the process and return once its Health RPC says it serves."""
+    async def launch(self, command: list[str], env: dict[str, str], timeout_s: float,
+                     start: StartProcess | None = None) -> None:
+        """Start the process (with `start`, e.g. a fork from the pool's template, else a
+        spawn) and return once its Health RPC says it serves."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         # NOTE: a session of its own, so a terminal's Ctrl-C (sent to the whole foreground
         # group) reaches only the gateway, which drains and then stops its workers; the worker
         # still exits with its parent (gateway/worker.py: _exit_with_parent).
-        self.process = await asyncio.create_subprocess_exec(
-            *command, env=env, stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True)
-        self.stderr.follow(self.process.stderr)
+        self.process = await (start or _spawn)(command, env)
+        if getattr(self.process, "stderr", None) is not None:
+            self.stderr.follow(self.process.stderr)
         self.channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}")
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         deadline = self.started_at + timeout_s
@@ -83,7 +95,7 @@ class WorkerHandle:
                         return
                 except grpc.aio.AioRpcError:
                     pass
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.02)  # a forked worker is ready in a few hundred ms
         self.kill()
         raise WorkerLost(f"worker {self.id} not healthy after {timeout_s:.0f} s")
 

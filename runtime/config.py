@@ -150,6 +150,9 @@ class EngineConfig:
     # the CPU has AVX-512 VNNI, else float32), "bf16" (past 16 rows x rounded to bf16 and a
     # bf16 copy of the weights, kept while busy, for the CPU's bf16 GEMM).
     gguf_activations: str = "auto"
+    # GGUF blocks served as stored: read in place from a loading-optimised file mapped shared
+    # and read-only (runtime/loader/mapped.py), made once per model; False copies them in.
+    mapped_weights: bool = True
     num_threads: int | None = None  # CPU compute threads; None: as the process has them
     # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).
     tensor_parallel_size: int = 1

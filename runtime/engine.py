@@ -147,7 +147,7 @@ class LLMEngine:
         if self.tp is None and serves_as_stored(self.config.gguf_weights, self.checkpoint,
                                                 self.formats, self.dtype, self.device):
             load_gguf_as_stored(model, self.checkpoint, self.dtype,  # type: ignore[arg-type]
-                                self.config.gguf_activations)
+                                self.config.gguf_activations, self.config.mapped_weights)
             base = model.to(self.device).eval()
             return base, base
         stored = self.checkpoint.quantization

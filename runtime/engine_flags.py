@@ -72,6 +72,9 @@ FLAGS: tuple[Flag, ...] = (
          "bf16 ones over a bf16 copy of the weights kept while busy (vLLM-CPU's precision, the "
          "CPU's bf16 GEMM); 'auto' = int8x2 where the CPU has AVX-512 VNNI, else float32",
          _DEFAULTS.gguf_activations, choices=("auto", "int8", "int8x2", "float32", "bf16")),
+    Flag("no-mapped-weights", "GGUF blocks served as stored: copy them into the process "
+         "instead of reading them in place from the shared, read-only mapped file "
+         "($TESSERA_MAPPED_DIR, made once per model)", False, switch=True),
     Flag("worker-threads", "CPU threads one engine computes on (default: every core this "
          "process may run on; `serve` splits them evenly among --max-workers)", None, int),
     Flag("serving-config", 'JSON file: {"prefill": {"weights": "fp8", "kv_cache_dtype": '
@@ -130,5 +133,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
                         gguf_weights=getattr(args, "gguf_weights", "auto"),
                         gguf_activations=getattr(args, "gguf_activations", "auto"),
+                        mapped_weights=not getattr(args, "no_mapped_weights", False),
                         num_threads=resolve_num_threads(args.worker_threads),
                         **format_kwargs(args))

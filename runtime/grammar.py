@@ -71,6 +71,21 @@ class GrammarMatcher:
         return str(m.get_error())[:_ERROR_CHARS] if m.is_error() else None  # type: ignore
 
 
+def llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int]) -> object:
+    """llguidance's tokenizer for `tokenizer`, built once and kept on it: a worker template
+    builds it before forking (it starts no thread; the executor does), so that no forked worker
+    pays it again."""
+    import llguidance
+
+    key = (vocab_size, tuple(eos_ids))
+    cached = getattr(tokenizer, "_llguidance", None)
+    if cached is None or cached[0] != key:
+        cached = (key, llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                              eos_token=list(eos_ids)))
+        tokenizer._llguidance = cached  # type: ignore[attr-defined]
+    return cached[1]
+
+
 class GrammarCompiler:
     """The engine's grammar engine for one vocabulary. The llguidance tokenizer (~0.3 s to build
     for 49k tokens) is built on first use or by `prepare` (the engine's warm-up)."""
@@ -88,9 +103,8 @@ class GrammarCompiler:
 
         with self._lock:
             if self._lltok is None:
-                self._lltok = llguidance.LLTokenizer(
-                    self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                    eos_token=self.eos_ids)
+                self._lltok = llguidance_tokenizer(self.tokenizer, self.vocab_size,
+                                                   self.eos_ids)
                 self._executor = llguidance.LLExecutor()
 
     def grammar_text(self, so: StructuredOutput) -> str:

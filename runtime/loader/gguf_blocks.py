@@ -15,53 +15,48 @@ from torch import nn
 
 from runtime.errors import InvalidArgument
 from runtime.loader.gguf_loader import GGUFCheckpoint
-from runtime.quant.blocks import BlockEmbedding, BlockLinear, cat_planes
+from runtime.loader.gguf_planes import stored_planes
+from runtime.quant.blocks import BlockEmbedding, BlockLinear, BlockPlanes
 from runtime.serving_formats import ServingFormats
 
 log = logging.getLogger("tessera.loader")
 
-# fused module -> its checkpoint shards, in order
-_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "self_attn.o_proj": ("self_attn.o_proj",),
-          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-          "mlp.down_proj": ("mlp.down_proj",)}
-EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def load_gguf_as_stored(model: nn.Module, checkpoint: GGUFCheckpoint,
-                        dtype: torch.dtype, activations: str = "float32") -> int:
+                        dtype: torch.dtype, activations: str = "float32",
+                        mapped: bool = False) -> int:
     """Put block modules into `model` (on meta) for every block tensor it can serve, then
     load the rest with `model.load_weights`. `activations` (see `resolve_activations`) is
-    what the block linears multiply (`BlockLinear`). Returns the bytes of the planes kept."""
-    blocks = dict(checkpoint.block_tensors())
-    used: set[str] = set()
+    what the block linears multiply (`BlockLinear`). With `mapped`, every tensor is read in
+    place from the checkpoint's mapped file (`runtime.loader.mapped`, made on first use), else
+    imported from the GGUF into this process's memory. Returns the bytes of the planes kept."""
+    if mapped:
+        from runtime.loader.mapped_gguf import mapped_stored_tensors
+
+        planes, dense = mapped_stored_tensors(checkpoint)
+    else:
+        planes, used = stored_planes(model.config, checkpoint)
+        dense = checkpoint.tensors(skip=used)
+    kept = install_planes(model, planes, activations)
+    model.load_weights(dense, dtype)
+    log.info("GGUF weights served as stored%s: %d modules in blocks (%.1f MB), the rest "
+             "dequantized", " from the mapped file" if mapped else "", len(planes), kept / 1e6)
+    return kept
+
+
+def install_planes(model: nn.Module, planes: dict[str, BlockPlanes], activations: str) -> int:
+    """Replace each named module of `model` by a block module over its planes (a tied
+    `lm_head` reads the embedding's). Returns the bytes of the planes."""
     kept = 0
-    for i in range(model.config.num_hidden_layers):
-        layer = f"model.layers.{i}"
-        for fused, shards in _FUSED.items():
-            names = [f"{layer}.{s}.weight" for s in shards]
-            parts = [blocks.get(n) for n in names]
-            if any(p is None for p in parts) or len({(p.kind, p.in_features)
-                                                     for p in parts if p}) != 1:
-                continue  # loads dequantized (nn.Linear) like any other tensor
-            planes = cat_planes([p for p in parts if p is not None])
-            _replace(model, f"{layer}.{fused}", BlockLinear(planes, activations=activations))
-            used.update(names)
-            kept += planes.nbytes()
-    tied = model.config.tie_word_embeddings
-    if EMBED in blocks:
-        _replace(model, "model.embed_tokens", BlockEmbedding(blocks[EMBED]))
-        used.add(EMBED)
-        kept += blocks[EMBED].nbytes()
-        if tied:
-            _replace(model, "lm_head", BlockLinear(blocks[EMBED], activations=activations))
-    if HEAD in blocks and not tied:
-        _replace(model, "lm_head", BlockLinear(blocks[HEAD], activations=activations))
-        used.add(HEAD)
-        kept += blocks[HEAD].nbytes()
-    model.load_weights(checkpoint.tensors(skip=frozenset(used)), dtype)
-    log.info("GGUF weights served as stored: %d tensors in blocks (%.1f MB), %d dequantized",
-             len(used), kept / 1e6, len(checkpoint.reader.tensors) - len(used))
+    for name, p in planes.items():
+        if name == "model.embed_tokens":
+            _replace(model, name, BlockEmbedding(p))
+            if model.config.tie_word_embeddings:
+                _replace(model, "lm_head", BlockLinear(p, activations=activations))
+        else:
+            _replace(model, name, BlockLinear(p, activations=activations))
+        kept += p.nbytes()
     return kept
 
 
