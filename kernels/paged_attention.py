@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_ops import native
+from kernels.cpu_ops import native, native_ops
 from kernels.hadamard import fwht
 from kernels.int8 import is_quantized_kv
 from kernels.kv_fp8 import gather_e4m3_rows
@@ -144,12 +144,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_scale: torch.Tensor | None = None,
                            hadamard: bool = False, q_scale: torch.Tensor | None = None,
                            out_scale: torch.Tensor | None = None) -> torch.Tensor:
-    ops = native() if q.device.type == "cpu" and q.dtype == torch.float32 else None
-    if ops is None:
+    """As `ref_paged_decode_attention`, through the `paged_decode_attention` op (float32 q:
+    the CPU kernel's input; other dtypes run the twin)."""
+    if q.dtype != torch.float32:
         return ref_paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale,
                                           k_scale, v_scale, hadamard, q_scale, out_scale)
-    return ops.paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale,
-                                      k_scale, v_scale, hadamard, q_scale, out_scale)
+    return native_ops().paged_decode_attention(q, k_cache, v_cache, page_table, context_lens,
+                                               scale, k_scale, v_scale, hadamard, q_scale,
+                                               out_scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -158,5 +160,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             v_scale: torch.Tensor | None = None,
                             hadamard: bool = False, q_scale: torch.Tensor | None = None,
                             out_scale: torch.Tensor | None = None) -> torch.Tensor:
-    return ref_paged_prefill_attention(q, k_cache, v_cache, page_ids, context_len, mask, scale,
-                                       k_scale, v_scale, hadamard, q_scale, out_scale)
+    """As `ref_paged_prefill_attention`, through the `paged_prefill_attention` op."""
+    return native_ops().paged_prefill_attention(q, k_cache, v_cache, page_ids, context_len, mask,
+                                                scale, k_scale, v_scale, hadamard, q_scale,
+                                                out_scale)
