@@ -18,7 +18,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +58,6 @@ def _arch_flags() -> list[str]:
 def native() -> Any | None:
     """`torch.ops.tessera` once the C++ build is loaded (its kernels then serve CPU tensors), or
     None (turned off, or no toolchain: the ops run their torch twins)."""
-    import kernels.ops  # the op schemas, before the build registers kernels for them
-
     if os.environ.get("TESSERA_NATIVE") == "0":
         return None
     try:
@@ -75,8 +73,22 @@ def native() -> Any | None:
     except Exception as e:  # no C++ toolchain here: stay correct on the slower path
         log.warning("C++ CPU ops unavailable (%s); using the torch twins", e)
         return None
-    kernels.ops.register_native_fakes()
+    for hook in _ON_LOAD:
+        hook()
     return torch.ops.tessera
+
+
+# Run once the build is loaded: kernels.ops registers the fakes of the ops the build declares
+# and the CPU kernels written over them (a hook: kernels.ops imports the modules that import
+# this one).
+_ON_LOAD: list[Callable[[], None]] = []
+
+
+def on_load(hook: Callable[[], None]) -> None:
+    """Run `hook` once the C++ build is loaded (now, if it already is)."""
+    _ON_LOAD.append(hook)
+    if native.cache_info().currsize and native() is not None:
+        hook()
 
 
 @functools.cache

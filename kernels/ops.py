@@ -18,7 +18,8 @@ The function takes the op's arguments in schema order and returns (or writes) wh
 twin does, within the op's stated tolerance; tests compare it with the twin on random inputs.
 One op is declared in C++ instead: `llama_decode_step`, the fused decode step, whose first
 argument is a C++ class that exists only where the CPU build does (`kernels/cpu/decode_llama.cpp`);
-its fake is registered here when that build loads (`register_native_fakes`).
+its fake is registered here when that build loads (`_register_native`), with
+`paged_prefill_attention`'s CPU kernel, the twin over the C++ fp8 row gather.
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ from types import SimpleNamespace
 
 import torch
 
+from kernels.cpu_ops import native, on_load
 from kernels.kv_fp8 import ref_gather_e4m3_rows
 from kernels.norm import ref_add_rms_norm
-from kernels.paged_attention import ref_paged_decode_attention, ref_paged_prefill_attention
+from kernels.paged_attention import (
+    cpu_paged_prefill_attention,
+    ref_paged_decode_attention,
+    ref_paged_prefill_attention,
+)
 from kernels.qgemm_bf16 import ref_bf16_linear, ref_q4_linear_bf16, ref_q8_linear_bf16
 from kernels.qgemv import ref_q4_dequantize, ref_q4_linear, ref_q8_dequantize, ref_q8_linear
 from kernels.qgemv_i8 import ref_q4_linear_i8, ref_q8_linear_i8
@@ -141,10 +147,23 @@ for _op in OPS:
     torch.library.register_fake(f"{NAMESPACE}::{_op.name}", _op.fake, lib=_LIB)
 
 
-def register_native_fakes() -> None:
-    """The fakes of the ops the C++ build declares itself (called once it is loaded)."""
+def _register_native() -> None:
+    """Called once the C++ build is loaded: the fakes of the ops it declares itself, and the CPU
+    kernels written in Python over its ops."""
     torch.library.register_fake(f"{NAMESPACE}::llama_decode_step",
                                 lambda step, x, *rest: x, lib=_LIB)
+    _LIB.impl("paged_prefill_attention", cpu_paged_prefill_attention, "CPU")
+
+
+on_load(_register_native)
+
+
+def has_device_kernel(name: str, device: torch.device) -> bool:
+    """Whether `tessera::<name>` has a kernel of its own for `device`'s kind (registered for
+    its dispatch key, the CPU build loaded first), rather than the twin every device runs."""
+    native()
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}",
+                                                          device.type.upper())
 
 
 def twin_ops() -> SimpleNamespace:
