@@ -1,9 +1,12 @@
 """Attention and KV ops and the 1-byte KV formats (FP8 e4m3, symmetric INT8): torch
 reference twins (CPU path and test oracle) and C++ CPU ops; Triton comes later.
 
-Importing this package never needs a GPU.
+Every kernel is a `torch.ops.tessera` op, declared once in `kernels/ops.py` (schema, fake,
+torch twin), with per-device kernels registered into it: `kernels/ops.py` says how a CUDA
+kernel is registered. Importing this package declares the ops and never needs a GPU.
 """
 
+from kernels import ops  # declares every op (schema, fake, twin)
 from kernels.fp8 import FP8_MAX, decode_e4m3_bits, dequantize_fp8_kv, fp8_scale, quantize_fp8_kv
 from kernels.int8 import (
     INT8_MAX,
@@ -35,6 +38,7 @@ __all__ = [
     "fused_moe",
     "is_quantized_kv",
     "moe_align",
+    "ops",
     "paged_decode_attention",
     "paged_prefill_attention",
     "quantize_fp8_kv",

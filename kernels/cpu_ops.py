@@ -18,9 +18,11 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 log = logging.getLogger("tessera.kernels")
 
@@ -54,7 +56,8 @@ def _arch_flags() -> list[str]:
 
 @functools.cache
 def native() -> Any | None:
-    """The built module, or None (turned off, or no toolchain: callers use the torch twins)."""
+    """`torch.ops.tessera` once the C++ build is loaded (its kernels then serve CPU tensors), or
+    None (turned off, or no toolchain: the ops run their torch twins)."""
     if os.environ.get("TESSERA_NATIVE") == "0":
         return None
     try:
@@ -64,12 +67,36 @@ def native() -> Any | None:
         build_dir = Path(_get_build_directory(name, verbose=False))
         with build_lock(build_dir):
             sources = stage_sources(build_dir)
-            return load(name, [str(sources / s) for s in _SOURCES],
-                        extra_cflags=["-O3", *_arch_flags(), "-fopenmp"],
-                        extra_ldflags=["-fopenmp"], verbose=False)
+            load(name, [str(sources / s) for s in _SOURCES],
+                 extra_cflags=["-O3", *_arch_flags(), "-fopenmp"],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no C++ toolchain here: stay correct on the slower path
         log.warning("C++ CPU ops unavailable (%s); using the torch twins", e)
         return None
+    for hook in _ON_LOAD:
+        hook()
+    return torch.ops.tessera
+
+
+# Run once the build is loaded: kernels.ops registers the fakes of the ops the build declares
+# and the CPU kernels written over them (a hook: kernels.ops imports the modules that import
+# this one).
+_ON_LOAD: list[Callable[[], None]] = []
+
+
+def on_load(hook: Callable[[], None]) -> None:
+    """Run `hook` once the C++ build is loaded (now, if it already is)."""
+    _ON_LOAD.append(hook)
+    if native.cache_info().currsize and native() is not None:
+        hook()
+
+
+@functools.cache
+def native_ops() -> Any:
+    """`torch.ops.tessera`, with the C++ CPU kernels registered where they can be built: what
+    every wrapper in `kernels/` calls (the op picks the kernel for its tensors' device)."""
+    native()
+    return torch.ops.tessera
 
 
 def stage_sources(build_dir: Path) -> Path:

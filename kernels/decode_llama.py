@@ -4,9 +4,11 @@ rotate-half RoPE, the KV store, paged decode attention, o_proj, add + norm, gate
 and down_proj, the same kernels in the same order as the model's Python forward
 (`runtime/models/llama.py`), which is its twin and test oracle. What it removes is the Python
 and per-op dispatch between ~25 ops a layer: at one sequence, on one thread, a whole engine
-step went from 38.9 to 28.7 ms (ops/bench/RESULTS-log.md#what-the-fused-step-removes). CPU
-only: float32 activations in, weights as GGUF blocks (`kernels.qgemv`, `kernels.qgemv_i8`),
-pages in any of the cache's formats.
+step went from 38.9 to 28.7 ms (ops/bench/RESULTS-log.md#what-the-fused-step-removes). The op is
+`torch.ops.tessera.llama_decode_step` over a `torch.classes.tessera.LlamaDecode` holding the
+layers; the C++ build declares both (`kernels/ops.py` says why). CPU only: float32
+activations in, weights as GGUF blocks (`kernels.qgemv`, `kernels.qgemv_i8`), pages in any of
+the cache's formats.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ class FusedLlamaDecode:
         ops = native()
         if ops is None:
             raise RuntimeError("the C++ CPU ops are not built; the fused decode step needs them")
-        self._step = ops.LlamaDecode(heads, kv_heads, head_dim, eps, scale, int8_max_rows)
+        self._op = ops.llama_decode_step
+        self._step = torch.classes.tessera.LlamaDecode(heads, kv_heads, head_dim, eps, scale,
+                                                       int8_max_rows)
         for layer in layers:
             self._step.add_layer(layer.input_norm, layer.post_norm, layer.qkv.as_tuple(),
                                  layer.o.as_tuple(), layer.gate_up.as_tuple(),
@@ -92,4 +96,4 @@ class FusedLlamaDecode:
         page_table [T, max_pages], context_lens [T] int64 (one decode token per sequence).
         Returns the last layer's hidden states [T, hidden] (before the final norm).
         Raises RuntimeError on shapes the kernels refuse."""
-        return self._step.forward(x, cos, sin, slot_mapping, page_table, context_lens)
+        return self._op(self._step, x, cos, sin, slot_mapping, page_table, context_lens)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import native
+from kernels.cpu_ops import native_ops
 
 
 def ref_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -26,10 +26,10 @@ def ref_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """As `ref_add_rms_norm`; the C++ op for contiguous 2-d float32 CPU tensors where built
+    """As `ref_add_rms_norm`; the `add_rms_norm` op for contiguous 2-d float32 tensors
     (float32 rounding apart, the same numbers: its mean sums in another order)."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
-            or not x.is_contiguous() or weight.dtype != torch.float32 or native() is None
+    if (x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
+            or weight.dtype != torch.float32
             or (delta is not None and delta.dtype != torch.float32)):
         return ref_add_rms_norm(x, delta, weight, eps)
-    return torch.ops.tessera_norm.add_rms_norm(x, delta, weight, eps)
+    return native_ops().add_rms_norm(x, delta, weight, eps)

@@ -16,12 +16,16 @@ by its KV head's q_scale before that rotation and each output by out_scale after
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from kernels.cpu_ops import native
+from kernels.cpu_ops import native, native_ops
 from kernels.hadamard import fwht
 from kernels.int8 import is_quantized_kv
-from kernels.kv_fp8 import gather_e4m3_rows
+from kernels.kv_fp8 import gather_e4m3_rows, ref_gather_e4m3_rows
+
+RowGather = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _page_rows(cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
@@ -32,7 +36,7 @@ def _page_rows(cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, gather: RowGather) -> torch.Tensor:
     # cache: [kv_heads, pages, page_size, dim]; page_ids: [..., max_pages]
     # -> [kv_heads, ..., max_pages * page_size, dim] in `dtype` (1-byte codes decoded,
     # unscaled: int8 by a plain convert)
@@ -41,7 +45,7 @@ def _gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tenso
     heads, pages, page_size, dim = cache.shape
     flat = cache.view(heads * pages, page_size * dim)
     if cache.dtype == torch.uint8:
-        out = gather_e4m3_rows(flat, rows).to(dtype)
+        out = gather(flat, rows).to(dtype)
     else:
         out = flat.index_select(0, rows).to(dtype)
     return out.view(heads, *page_ids.shape[:-1], page_ids.shape[-1] * page_size, dim)
@@ -68,8 +72,10 @@ def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                k_scale: torch.Tensor | None = None,
                                v_scale: torch.Tensor | None = None,
                                hadamard: bool = False, q_scale: torch.Tensor | None = None,
-                               out_scale: torch.Tensor | None = None) -> torch.Tensor:
+                               out_scale: torch.Tensor | None = None, *,
+                               gather: RowGather = ref_gather_e4m3_rows) -> torch.Tensor:
     # q: [batch, heads, dim]; page_table: [batch, max_pages]; context_lens: [batch] long
+    # gather: how fp8 pages' rows are decoded (the pure torch twin, or the op)
     batch, num_heads, dim = q.shape
     rotated = hadamard and is_quantized_kv(k_cache.dtype)
     kv_heads, _, page_size, _ = k_cache.shape
@@ -80,8 +86,8 @@ def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     positions = torch.arange(page_table.shape[1] * page_size, device=q.device)
     mask = positions.unsqueeze(0) < context_lens.unsqueeze(1)
     rows = _page_rows(k_cache, page_table)
-    k = _gather_pages(k_cache, page_table, rows, q.dtype)  # [kv_heads, batch, L, dim]
-    v = _gather_pages(v_cache, page_table, rows, q.dtype)
+    k = _gather_pages(k_cache, page_table, rows, q.dtype, gather)  # [kv_heads, batch, L, dim]
+    v = _gather_pages(v_cache, page_table, rows, q.dtype, gather)
     qg = q.view(batch, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, batch, group, dim]
     scores = torch.matmul(qg, k.transpose(-1, -2))  # [kv_heads, batch, group, L]
     if k_scale is not None:
@@ -105,7 +111,8 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 k_scale: torch.Tensor | None = None,
                                 v_scale: torch.Tensor | None = None,
                                 hadamard: bool = False, q_scale: torch.Tensor | None = None,
-                                out_scale: torch.Tensor | None = None) -> torch.Tensor:
+                                out_scale: torch.Tensor | None = None, *,
+                                gather: RowGather = ref_gather_e4m3_rows) -> torch.Tensor:
     # q: [chunk, heads, dim] for one sequence; keys are its first context_len cached tokens.
     # mask: [chunk, context_len] bool (True = attend) or None for plain causal from position 0.
     chunk, num_heads, dim = q.shape
@@ -115,8 +122,9 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if rotated:
         q = fwht(q).to(q.dtype)
     rows = _page_rows(k_cache, page_ids)
-    k = _gather_pages(k_cache, page_ids, rows, q.dtype)[:, :context_len]  # [kv_heads, L, dim]
-    v = _gather_pages(v_cache, page_ids, rows, q.dtype)[:, :context_len]
+    # [kv_heads, L, dim]
+    k = _gather_pages(k_cache, page_ids, rows, q.dtype, gather)[:, :context_len]
+    v = _gather_pages(v_cache, page_ids, rows, q.dtype, gather)[:, :context_len]
     if k_scale is not None and v_scale is not None:
         k = k * _gather_scales(k_scale, page_ids, rows)[:, :context_len, None].to(q.dtype)
         v = v * _gather_scales(v_scale, page_ids, rows)[:, :context_len, None].to(q.dtype)
@@ -144,12 +152,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_scale: torch.Tensor | None = None,
                            hadamard: bool = False, q_scale: torch.Tensor | None = None,
                            out_scale: torch.Tensor | None = None) -> torch.Tensor:
-    ops = native() if q.device.type == "cpu" and q.dtype == torch.float32 else None
-    if ops is None:
+    """As `ref_paged_decode_attention`, through the `paged_decode_attention` op (float32 q:
+    the CPU kernel's input; other dtypes run the twin)."""
+    if q.dtype != torch.float32:
         return ref_paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale,
-                                          k_scale, v_scale, hadamard, q_scale, out_scale)
-    return ops.paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale,
-                                      k_scale, v_scale, hadamard, q_scale, out_scale)
+                                          k_scale, v_scale, hadamard, q_scale, out_scale,
+                                          gather=gather_e4m3_rows)
+    return native_ops().paged_decode_attention(q, k_cache, v_cache, page_table, context_lens,
+                                               scale, k_scale, v_scale, hadamard, q_scale,
+                                               out_scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -158,5 +169,21 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             v_scale: torch.Tensor | None = None,
                             hadamard: bool = False, q_scale: torch.Tensor | None = None,
                             out_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """As `ref_paged_prefill_attention`, through the `paged_prefill_attention` op."""
+    return native_ops().paged_prefill_attention(q, k_cache, v_cache, page_ids, context_len, mask,
+                                                scale, k_scale, v_scale, hadamard, q_scale,
+                                                out_scale)
+
+
+def cpu_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                page_ids: torch.Tensor, context_len: int,
+                                mask: torch.Tensor | None, scale: float,
+                                k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None, hadamard: bool = False,
+                                q_scale: torch.Tensor | None = None,
+                                out_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU kernel of `paged_prefill_attention` (registered where the C++ build loads): the
+    twin, with fp8 rows decoded by the C++ `gather_e4m3_rows` (bit-exact, faster)."""
     return ref_paged_prefill_attention(q, k_cache, v_cache, page_ids, context_len, mask, scale,
-                                       k_scale, v_scale, hadamard, q_scale, out_scale)
+                                       k_scale, v_scale, hadamard, q_scale, out_scale,
+                                       gather=gather_e4m3_rows)

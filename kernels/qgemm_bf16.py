@@ -22,7 +22,7 @@ from kernels.qgemv import ref_q4_dequantize, ref_q8_dequantize
 @functools.cache
 def bf16_gemm_available() -> bool:
     """Whether the bf16 block ops are built and torch's BLAS exports a bf16 GEMM."""
-    return native() is not None and bool(torch.ops.tessera_quant.bf16_gemm_available())
+    return native() is not None and bool(torch.ops.tessera.cpu_bf16_gemm())
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -48,22 +48,22 @@ def q4_linear_bf16(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.
     """x float32 [..., K] -> float32 [..., N] over Q4 blocks, computed in bf16; the C++ op where
     available, else the twin. Raises RuntimeError on shapes or dtypes the layout forbids."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x.device.type != "cpu" or not bf16_gemm_available():
+    if not bf16_gemm_available():
         y = ref_q4_linear_bf16(x2, qs, d, m, group_size, zeros)
     else:
-        y = torch.empty(x2.shape[0], qs.shape[0])
-        torch.ops.tessera_quant.q4_linear_bf16_out(x2, qs, d, m, zeros, group_size, y)
+        y = x2.new_empty(x2.shape[0], qs.shape[0])
+        torch.ops.tessera.q4_linear_bf16_out(x2, qs, d, m, zeros, group_size, y)
     return y.view(*x.shape[:-1], qs.shape[0])
 
 
 def q8_linear_bf16(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x float32 [..., K] -> float32 [..., N] over Q8 blocks, computed in bf16; as above."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x.device.type != "cpu" or not bf16_gemm_available():
+    if not bf16_gemm_available():
         y = ref_q8_linear_bf16(x2, qs, d)
     else:
-        y = torch.empty(x2.shape[0], qs.shape[0])
-        torch.ops.tessera_quant.q8_linear_bf16_out(x2, qs, d, y)
+        y = x2.new_empty(x2.shape[0], qs.shape[0])
+        torch.ops.tessera.q8_linear_bf16_out(x2, qs, d, y)
     return y.view(*x.shape[:-1], qs.shape[0])
 
 
@@ -76,9 +76,9 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x float32 [..., K], w bfloat16 [N, K] (a dequantized copy of blocks) -> float32 [..., N]:
     x rounded to bf16, float32 sums and output (torch's bf16 F.linear would round y too)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x.device.type != "cpu" or not bf16_gemm_available():
+    if not bf16_gemm_available():
         y = ref_bf16_linear(x2, w)
     else:
-        y = torch.empty(x2.shape[0], w.shape[0])
-        torch.ops.tessera_quant.bf16_linear_out(x2, w, y)
+        y = x2.new_empty(x2.shape[0], w.shape[0])
+        torch.ops.tessera.bf16_linear_out(x2, w, y)
     return y.view(*x.shape[:-1], w.shape[0])

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_ops import native
+from kernels.cpu_ops import native_ops
 
 BLOCK = 32  # weights per block; every group is a whole number of blocks
 
@@ -85,41 +85,31 @@ def q4_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
               group_size: int, zeros: torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] over Q4 blocks (layout above; offsets from `m`, `zeros`
-    or neither, as `q4_offsets` says); the C++ kernel on CPU when built, else the twin. `out`
+    or neither, as `q4_offsets` says), through the `q4_linear_out` op. `out`
     (float32 [rows, N], contiguous) is written in full when given. Raises RuntimeError on
     shapes or dtypes the layout forbids."""
-    if x.device.type != "cpu" or native() is None:
-        y = ref_q4_linear(x, qs, d, m, group_size, zeros)
-        return y if out is None else out.copy_(y.reshape(out.shape))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.empty(x2.shape[0], qs.shape[0]) if out is None else out
-    torch.ops.tessera_quant.q4_linear_out(x2, qs, d, m, zeros, group_size, y)
+    y = x2.new_empty(x2.shape[0], qs.shape[0]) if out is None else out
+    native_ops().q4_linear_out(x2, qs, d, m, zeros, group_size, y)
     return y.view(*x.shape[:-1], qs.shape[0])
 
 
 def q8_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N] over Q8 blocks (layout above); C++ kernel or twin;
+    """x [..., K] float32 -> [..., N] over Q8 blocks (layout above), the `q8_linear_out` op;
     `out` as for `q4_linear`."""
-    if x.device.type != "cpu" or native() is None:
-        y = ref_q8_linear(x, qs, d)
-        return y if out is None else out.copy_(y.reshape(out.shape))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.empty(x2.shape[0], qs.shape[0]) if out is None else out
-    torch.ops.tessera_quant.q8_linear_out(x2, qs, d, y)
+    y = x2.new_empty(x2.shape[0], qs.shape[0]) if out is None else out
+    native_ops().q8_linear_out(x2, qs, d, y)
     return y.view(*x.shape[:-1], qs.shape[0])
 
 
 def q4_dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, group_size: int,
                   zeros: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [N, K] (for many-row matmuls, where a dense fp32 matmul wins)."""
-    if qs.device.type != "cpu" or native() is None:
-        return ref_q4_dequantize(qs, d, m, group_size, zeros)
-    return torch.ops.tessera_quant.q4_dequantize(qs, d, m, zeros, group_size)
+    return native_ops().q4_dequantize(qs, d, m, zeros, group_size)
 
 
 def q8_dequantize(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """float32 [N, K]."""
-    if qs.device.type != "cpu" or native() is None:
-        return ref_q8_dequantize(qs, d)
-    return torch.ops.tessera_quant.q8_dequantize(qs, d)
+    return native_ops().q8_dequantize(qs, d)

@@ -29,7 +29,7 @@ from kernels.qgemv import BLOCK, unpack_q4_blocks
 @functools.cache
 def int8_kernels_available() -> bool:
     """Whether the int8-activation C++ ops are built (x86-64 with AVX-512 VNNI)."""
-    return native() is not None and bool(torch.ops.tessera_quant.int8_kernels())
+    return native() is not None and bool(torch.ops.tessera.cpu_int8_kernels())
 
 
 def ref_quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,13 +95,13 @@ def q4_linear_i8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Te
     [rows, N], contiguous) is written in full when given. Raises RuntimeError on shapes or
     dtypes the layout forbids, ValueError for another number of limbs."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x.device.type != "cpu" or not int8_kernels_available():
+    if not int8_kernels_available():
         y = ref_q4_linear_i8(x2, qs, d, m, limbs)
         return (y if out is None else out.copy_(y)).view(*x.shape[:-1], qs.shape[0])
     if limbs not in (1, 2):
         raise ValueError(f"limbs must be 1 or 2, got {limbs}")
-    y = torch.empty(x2.shape[0], qs.shape[0]) if out is None else out
-    torch.ops.tessera_quant.q4_linear_i8_out(x2, qs, d, m, y, limbs)
+    y = x2.new_empty(x2.shape[0], qs.shape[0]) if out is None else out
+    torch.ops.tessera.q4_linear_i8_out(x2, qs, d, m, y, limbs)
     return y.view(*x.shape[:-1], qs.shape[0])
 
 
@@ -109,11 +109,11 @@ def q8_linear_i8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
                  out: torch.Tensor | None = None, limbs: int = 1) -> torch.Tensor:
     """x float32 [..., K] -> [..., N] over Q8 planes, x in int8 limbs; as `q4_linear_i8`."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x.device.type != "cpu" or not int8_kernels_available():
+    if not int8_kernels_available():
         y = ref_q8_linear_i8(x2, qs, d, limbs)
         return (y if out is None else out.copy_(y)).view(*x.shape[:-1], qs.shape[0])
     if limbs not in (1, 2):
         raise ValueError(f"limbs must be 1 or 2, got {limbs}")
-    y = torch.empty(x2.shape[0], qs.shape[0]) if out is None else out
-    torch.ops.tessera_quant.q8_linear_i8_out(x2, qs, d, y, limbs)
+    y = x2.new_empty(x2.shape[0], qs.shape[0]) if out is None else out
+    torch.ops.tessera.q8_linear_i8_out(x2, qs, d, y, limbs)
     return y.view(*x.shape[:-1], qs.shape[0])

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_ops import native
+from kernels.cpu_ops import native_ops
 from kernels.hadamard import fwht
 from kernels.int8 import is_quantized_kv, quantize_kv
 
 
-def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
-           slot_mapping: torch.Tensor, hadamard: bool, shift: torch.Tensor | None = None,
-           divisor: torch.Tensor | None = None) -> None:
+def ref_store_rows(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
+                   slot_mapping: torch.Tensor, hadamard: bool,
+                   shift: torch.Tensor | None = None,
+                   divisor: torch.Tensor | None = None) -> None:
+    """Twin of the `store_kv_rows` op: x [tokens, heads, dim] into cache [heads, pages,
+    page_size, dim] at flat slots [tokens] (quantized pages: codes, and scales [heads, pages,
+    page_size] bf16)."""
     heads, pages, page_size, dim = cache.shape
     if not is_quantized_kv(cache.dtype):
         assert shift is None and divisor is None, "smoothing is for quantized pages"
@@ -45,8 +49,8 @@ def ref_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     heads, _, _, dim = k_cache.shape
     assert k.shape == v.shape and k.shape[1:] == (heads, dim), (k.shape, k_cache.shape)
     assert slot_mapping.shape == (k.shape[0],)
-    _store(k, k_cache, k_scale, slot_mapping, hadamard, k_shift, k_divisor)
-    _store(v, v_cache, v_scale, slot_mapping, hadamard, None, v_divisor)
+    ref_store_rows(k, k_cache, k_scale, slot_mapping, hadamard, k_shift, k_divisor)
+    ref_store_rows(v, v_cache, v_scale, slot_mapping, hadamard, None, v_divisor)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -54,11 +58,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scale: torch.Tensor | None = None, hadamard: bool = False,
              k_shift: torch.Tensor | None = None, k_divisor: torch.Tensor | None = None,
              v_divisor: torch.Tensor | None = None) -> None:
-    ops = native() if k.device.type == "cpu" and k.dtype == torch.float32 else None
-    if ops is None:
+    """As `ref_store_kv`, through the `store_kv_rows` op (float32 K/V: the CPU kernels'
+    input; other dtypes run the twin)."""
+    if k.dtype != torch.float32:
         ref_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, hadamard,
                      k_shift, k_divisor, v_divisor)
         return
+    ops = native_ops()
     ops.store_kv_rows(k, k_cache, slot_mapping, k_scale, hadamard, k_shift, k_divisor)
     ops.store_kv_rows(v, v_cache, slot_mapping, v_scale, hadamard, None, v_divisor)
 
@@ -70,8 +76,7 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     `scale`)."""
     assert latent.shape[1:] == (1, cache.shape[-1]) and cache.shape[0] == 1, (latent.shape,
                                                                               cache.shape)
-    ops = native() if latent.device.type == "cpu" and latent.dtype == torch.float32 else None
-    if ops is None:
-        _store(latent, cache, scale, slot_mapping, False)
+    if latent.dtype != torch.float32:
+        ref_store_rows(latent, cache, scale, slot_mapping, False)
     else:
-        ops.store_kv_rows(latent, cache, slot_mapping, scale)
+        native_ops().store_kv_rows(latent, cache, slot_mapping, scale)

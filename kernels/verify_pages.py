@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_ops import native_ops
+
 OK, STALE_TAG, FOREIGN_OWNER, FREED_PAGE, REMAPPED = 0, 1, 2, 3, 4
 CAUSES = {STALE_TAG: "stale_tag", FOREIGN_OWNER: "foreign_owner", FREED_PAGE: "freed_page",
           REMAPPED: "remapped"}
@@ -35,5 +37,6 @@ def verify_pages(page_ids: torch.Tensor, expected_page_ids: torch.Tensor,
                  expected_tags: torch.Tensor, expected_owners: torch.Tensor,
                  pool_tags: torch.Tensor, pool_owners: torch.Tensor,
                  pool_refcounts: torch.Tensor) -> torch.Tensor:
-    return ref_verify_pages(page_ids, expected_page_ids, expected_tags, expected_owners,
-                            pool_tags, pool_owners, pool_refcounts)
+    """As `ref_verify_pages`, through the `verify_pages` op."""
+    return native_ops().verify_pages(page_ids, expected_page_ids, expected_tags,
+                                     expected_owners, pool_tags, pool_owners, pool_refcounts)

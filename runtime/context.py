@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,8 +44,12 @@ class AttentionMetadata:
 
 @dataclass
 class ForwardContext:
-    attn: AttentionMetadata
+    attn: AttentionMetadata  # built by `backend` (AttentionBackend.build_metadata)
     kv_cache: object  # runtime.kv.cache.KVCache; typed loosely to keep this module light
+    # runtime.attention.AttentionBackend, which stores K/V and attends; None: the `torch`
+    # reference backend (for callers that build their metadata by hand), see
+    # runtime.attention.backend_of
+    backend: Any = None
 
 
 _current: ForwardContext | None = None

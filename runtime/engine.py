@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.attention import make_backend
 from runtime.config import EngineConfig, ModelConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.distributed import TensorParallel, TensorParallelIntegrityTracker
@@ -26,9 +27,9 @@ from runtime.kv.cache import KVCache, KVCacheSpec
 from runtime.kv.pages import PagePool
 from runtime.kv.prefix import PrefixCache
 from runtime.loader import Checkpoint, open_checkpoint
+from runtime.loader.weight_layout import use_column_major_weights
 from runtime.model_runner import ModelRunner
 from runtime.models import model_class
-from runtime.models.layout import use_column_major_weights
 from runtime.models.meta_init import meta_without_init
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.progress import progress
@@ -82,6 +83,7 @@ class LLMEngine:
             group_size=config.weight_group_size, symmetric=config.weight_symmetric,
             checkpoint_format=checkpoint.quantization)
         self.tp = self._join_tensor_parallel()
+        self.attention = make_backend(config.attention_backend, self.device)
         self.prefill_model, self.decode_model = self._build_models()
         self.checkpoint.release_file_pages()  # the model holds its own copies now
         release_free_heap()  # the load's transient buffers, back to the OS before serving
@@ -103,7 +105,7 @@ class LLMEngine:
                 self.prefill_model, spec.num_layers, spec.num_kv_heads, spec.head_dim,
                 smoothing.calibration_windows(
                     lambda text: self.tokenizer.encode(text, add_special_tokens=False)),
-                self.device)
+                self.device, self.attention)
         num_pages, self.kv_cache_budget_bytes = self.kv_cache.num_pages, self.kv_cache.budget_bytes
         self.pool = PagePool(num_pages, config.page_size)
         self.max_model_len = min(self.model_config.max_position_embeddings,
@@ -115,7 +117,7 @@ class LLMEngine:
                             tenant_page_quota=config.tenant_page_quota), self.pool,
             self.prefix_cache)
         self.runner = ModelRunner(self.prefill_model, self.decode_model, self.kv_cache,
-                                  self.device)
+                                  self.device, self.attention)
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
         self.tracker = TRACKERS[config.integrity](self.pool)
         if self.tp is not None:

@@ -49,6 +49,9 @@ FLAGS: tuple[Flag, ...] = (
          _DEFAULTS.tenant_page_quota, float),
     Flag("integrity", "page tag and owner check before every step", _DEFAULTS.integrity,
          choices=("tags", "off")),
+    Flag("attention-backend", "attention kernels: cpu (the C++ CPU ops and fused decode "
+         "step), torch (the torch reference, any device), auto (cpu on CPU)",
+         _DEFAULTS.attention_backend, choices=("auto", "cpu", "torch")),
     Flag("kv-cache-dtype", "KV page format ('auto' = the compute dtype; fp8 e4m3 and int8 "
          "store 1 byte per element plus a bf16 scale per token and KV head: ~1.9x the tokens "
          "of bf16; int8 is the more accurate of the two)", "auto",
@@ -131,6 +134,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                         tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
+                        attention_backend=getattr(args, "attention_backend", "auto"),
                         gguf_weights=getattr(args, "gguf_weights", "auto"),
                         gguf_activations=getattr(args, "gguf_activations", "auto"),
                         mapped_weights=not getattr(args, "no_mapped_weights", False),

@@ -28,7 +28,8 @@ class LLM:
                  prefill_kv_cache_dtype: str = "auto", prefill_weights: str = "auto",
                  decode_weights: str = "auto", weight_group_size: int = 128,
                  weight_symmetric: bool = True, tensor_parallel_size: int = 1,
-                 gguf_weights: str = "auto", gguf_activations: str = "auto") -> None:
+                 gguf_weights: str = "auto", gguf_activations: str = "auto",
+                 attention_backend: str = "auto") -> None:
         config = EngineConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
@@ -41,7 +42,8 @@ class LLM:
                               weight_group_size=weight_group_size,
                               weight_symmetric=weight_symmetric,
                               tensor_parallel_size=tensor_parallel_size,
-                              gguf_weights=gguf_weights, gguf_activations=gguf_activations)
+                              gguf_weights=gguf_weights, gguf_activations=gguf_activations,
+                              attention_backend=attention_backend)
         self.engine = LLMEngine.from_path(model, config)
         self._ids = itertools.count()
 

@@ -10,31 +10,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import decode_pads_to_longest
-from kernels.cpu_ops import build_pending, native
-from runtime.context import (
-    AttentionMetadata,
-    DecodeGroup,
-    ForwardContext,
-    PrefillSlice,
-    forward_context,
-)
+from runtime.attention import AttentionBackend, BatchLayout
+from runtime.context import ForwardContext, forward_context
 from runtime.kv.cache import KVCache
-from runtime.progress import waiting
 from runtime.scheduler import ScheduledSequence, SchedulerOutput
 
 
 class ModelRunner:
     def __init__(self, prefill_model: nn.Module, decode_model: nn.Module, kv_cache: KVCache,
-                 device: torch.device) -> None:
+                 device: torch.device, backend: AttentionBackend) -> None:
         self.prefill_model = prefill_model
         self.decode_model = decode_model
         self.kv_cache = kv_cache
         self.page_size = kv_cache.spec.page_size
         self.device = device
-        if device.type == "cpu" and build_pending():  # else loaded (or skipped) on first use
-            with waiting("build C++ CPU ops"):
-                native()
+        self.backend = backend
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSequence], torch.Tensor]:
@@ -70,64 +60,43 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append(item)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decodes=self._decode_groups(decodes),
-            prefills=[],
-        )
-        offset = len(decodes)
-        for item in prefills:
-            meta.prefills.append(self._prefill_slice(item, offset))
-            offset += item.num_tokens
+        layout = self._layout(ordered, len(decodes), slots)
+        meta = self.backend.build_metadata(layout)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with forward_context(ForwardContext(meta, self.kv_cache)):
+        with forward_context(ForwardContext(meta, self.kv_cache, self.backend)):
             hidden = model(ids_t, pos_t)
-        for item, piece in zip(prefills, meta.prefills, strict=True):
+        offset = len(decodes)
+        for item in prefills:
             sink = None if item.seq.state is None else item.seq.state.prompt_logits
             if sink is not None:  # teacher-forced scoring: every position's next-token logits
-                sink.append(model.compute_logits(hidden[piece.start : piece.end]).float())
+                sink.append(model.compute_logits(hidden[offset : offset + item.num_tokens])
+                            .float())
+            offset += item.num_tokens
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = model.compute_logits(hidden.index_select(0, rows))
         return samplers, logits
 
-    def _decode_groups(self, decodes: list[ScheduledSequence]) -> list[DecodeGroup]:
-        """Where decode attention pads to the longest context, split decodes (sorted by page
-        count) where the longest would more than double the group's padding: a short sequence
-        never pays for a long one's whole context. Otherwise one group, one call per layer."""
-        groups: list[DecodeGroup] = []
-        start = 0
-        split = decode_pads_to_longest(self.device)
-        for i in range(1, len(decodes) + 1):
-            if i == len(decodes) or (split and len(decodes[i].seq.page_table)
-                                     > 2 * len(decodes[start].seq.page_table)):
-                table, lens = self._decode_tables(decodes[start:i])
-                groups.append(DecodeGroup(start, i, table, lens))
-                start = i
-        return groups
-
-    def _decode_tables(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        # One tensor built from one flat list each (not one small tensor per sequence).
-        max_pages = max(len(s.seq.page_table) for s in decodes)
+    def _layout(self, ordered: list[ScheduledSequence], num_decodes: int,
+                slots: list[int]) -> BatchLayout:
+        """The batch as every attention backend receives it: varlen offsets, one block table."""
+        query_lens = [item.num_tokens for item in ordered]
+        seq_lens = [item.seq.num_computed_tokens + item.num_tokens for item in ordered]
+        num_pages = [len(item.seq.page_table) for item in ordered]
+        # One tensor built from one flat list (not one small tensor per sequence).
+        max_pages = max(num_pages, default=0)
         flat: list[int] = []
-        for item in decodes:
+        for item in ordered:
             table = item.seq.page_table
             flat.extend(ref.page_id for ref in table)
             flat.extend([0] * (max_pages - len(table)))
-        lens = [item.seq.num_computed_tokens + 1 for item in decodes]
-        return (torch.tensor(flat, dtype=torch.long, device=self.device).view(-1, max_pages),
-                torch.tensor(lens, dtype=torch.long, device=self.device))
+        cu_q, cu_k = [0], [0]
+        for q, k in zip(query_lens, seq_lens, strict=True):
+            cu_q.append(cu_q[-1] + q)
+            cu_k.append(cu_k[-1] + k)
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _prefill_slice(self, item: ScheduledSequence, offset: int) -> PrefillSlice:
-        seq = item.seq
-        start = seq.num_computed_tokens
-        context_len = start + item.num_tokens
-        num_pages = -(-context_len // self.page_size)
-        page_ids = torch.tensor([r.page_id for r in seq.page_table[:num_pages]], dtype=torch.long)
-        mask = None
-        if start > 0:  # attends to earlier chunks: causal with an offset
-            q_pos = torch.arange(start, context_len).unsqueeze(1)
-            mask = torch.arange(context_len).unsqueeze(0) <= q_pos
-            mask = mask.to(self.device)
-        return PrefillSlice(offset, offset + item.num_tokens, page_ids.to(self.device),
-                            context_len, mask)
+        return BatchLayout(num_decodes, self.page_size, query_lens, seq_lens, num_pages,
+                           tensor(cu_q), tensor(cu_k), tensor(flat).view(len(ordered), max_pages),
+                           tensor(slots))

@@ -2,7 +2,9 @@
 // runtime/models/llama.py (LlamaDecoderLayer.forward over block weights and paged KV), the
 // same kernels in the same order, with no Python between them. At one sequence the Python and
 // dispatch between a step's ~700 small ops cost about as much as its matmuls (issue 16).
-#include <torch/extension.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
 
 #include <tuple>
 #include <vector>
@@ -58,7 +60,7 @@ struct Layer {
 
 }  // namespace
 
-class LlamaDecode {
+class LlamaDecode : public torch::CustomClassHolder {
  public:
   LlamaDecode(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
               int64_t int8_max_rows)
@@ -67,9 +69,8 @@ class LlamaDecode {
     TORCH_CHECK(head_dim % 2 == 0 && heads % kv_heads == 0, "bad attention shape");
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, const ProjSpec& qkv,
-                 const ProjSpec& o, const ProjSpec& gate_up, const ProjSpec& down,
-                 const KVSpec& kv) {
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, ProjSpec qkv, ProjSpec o,
+                 ProjSpec gate_up, ProjSpec down, KVSpec kv) {
     layers_.push_back(Layer{input_norm, post_norm, BlockProj(qkv), BlockProj(o),
                             BlockProj(gate_up), BlockProj(down), std::get<0>(kv), std::get<1>(kv),
                             std::get<2>(kv), std::get<3>(kv), std::get<4>(kv), std::get<5>(kv),
@@ -119,17 +120,26 @@ class LlamaDecode {
   std::vector<Layer> layers_;
 };
 
-void bind_llama_decode(pybind11::module& m) {
-  namespace py = pybind11;
-  py::class_<LlamaDecode>(m, "LlamaDecode")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>(), py::arg("heads"),
-           py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
-           py::arg("int8_max_rows"))
-      .def("add_layer", &LlamaDecode::add_layer)
-      .def("num_layers", &LlamaDecode::num_layers)
-      // NOTE: the GIL is released for the step: the worker's gRPC and asyncio threads run
-      // beside it (tensors are reference-counted in C++, no Python object is touched).
-      .def("forward", &LlamaDecode::forward, py::call_guard<py::gil_scoped_release>());
+// x updated in place and returned: the op's schema says so (kernels/ops.py registers its fake).
+at::Tensor llama_decode_step(const c10::intrusive_ptr<LlamaDecode>& step, at::Tensor x,
+                             at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                             at::Tensor page_table, at::Tensor context_lens) {
+  return step->forward(x, cos, sin, slots, page_table, context_lens);
 }
 
 }  // namespace tessera
+
+// The fused step's state (weights and pages per layer) is a torch custom class, so the op that
+// runs it can be declared only where this build exists: here, not in kernels/ops.py. Calls
+// from Python release the GIL for the step (the worker's gRPC and asyncio threads run beside it).
+TORCH_LIBRARY_FRAGMENT(tessera, m) {
+  m.class_<tessera::LlamaDecode>("LlamaDecode")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def("add_layer", &tessera::LlamaDecode::add_layer)
+      .def("num_layers", &tessera::LlamaDecode::num_layers);
+  m.def("llama_decode_step(__torch__.torch.classes.tessera.LlamaDecode step, Tensor(a!) x, "
+        "Tensor cos, Tensor sin, Tensor slots, Tensor page_table, Tensor context_lens) "
+        "-> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(tessera, CPU, m) { m.impl("llama_decode_step", &tessera::llama_decode_step); }

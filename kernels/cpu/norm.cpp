@@ -5,7 +5,6 @@
 // a tree), so results match `kernels.norm.ref_add_rms_norm` to float32 rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 
@@ -65,9 +64,3 @@ at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tenso
 }
 
 }  // namespace tessera
-
-// Registered as torch ops (torch.ops.tessera_norm.*), like qgemv.cpp.
-TORCH_LIBRARY(tessera_norm, m) {
-  m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor",
-        &tessera::add_rms_norm);
-}

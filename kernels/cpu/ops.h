@@ -1,5 +1,5 @@
-// The ops other translation units call (the bindings in ops.cpp, the fused decode step in
-// decode_llama.cpp); each is defined in its own file.
+// The CPU kernels of the `tessera` ops (schemas: kernels/ops.py), registered in ops.cpp and
+// called by the fused decode step (decode_llama.cpp); each is defined in its own file.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,4 +24,13 @@ void q4_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m, a
                       int64_t limbs);
 void q8_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out,
                       int64_t limbs);
+at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                         c10::optional<at::Tensor> zeros, int64_t group_size);
+at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d);
+void q4_linear_bf16_out(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                        c10::optional<at::Tensor> zeros, int64_t group_size, at::Tensor out);
+void q8_linear_bf16_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out);
+void bf16_linear_out(at::Tensor x, at::Tensor w, at::Tensor out);
+bool bf16_gemm_available();
+bool int8_kernels();
 }  // namespace tessera

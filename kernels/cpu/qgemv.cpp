@@ -17,7 +17,6 @@
 // streams its own weight rows once per MR-row chunk of x (once in all at decode).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "chunks.h"
 
@@ -573,20 +572,3 @@ at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d) {
 }
 
 }  // namespace tessera
-
-// Registered as torch ops (torch.ops.tessera_quant.*) so this file needs no line in ops.cpp.
-TORCH_LIBRARY(tessera_quant, m) {
-  m.def("q4_linear_out(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? zeros, "
-        "int group_size, Tensor(a!) out) -> ()", &tessera::q4_linear_out);
-  m.def("q4_dequantize(Tensor qs, Tensor d, Tensor? m, Tensor? zeros, int group_size) -> Tensor",
-        &tessera::q4_dequantize);
-  m.def("q8_linear_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out) -> ()",
-        &tessera::q8_linear_out);
-  m.def("q8_dequantize(Tensor qs, Tensor d) -> Tensor", &tessera::q8_dequantize);
-  m.def("bf16_gemm_available() -> bool", &tessera::bf16_gemm_available);
-  m.def("bf16_linear_out(Tensor x, Tensor w, Tensor(a!) out) -> ()", &tessera::bf16_linear_out);
-  m.def("q4_linear_bf16_out(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? zeros, "
-        "int group_size, Tensor(a!) out) -> ()", &tessera::q4_linear_bf16_out);
-  m.def("q8_linear_bf16_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out) -> ()",
-        &tessera::q8_linear_bf16_out);
-}

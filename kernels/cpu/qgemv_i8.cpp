@@ -23,7 +23,6 @@
 // Built only where the compiler targets AVX-512 VNNI; `int8_kernels()` says whether it did.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "chunks.h"
 
@@ -350,11 +349,3 @@ void q8_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out,
 }
 
 }  // namespace tessera
-
-TORCH_LIBRARY_FRAGMENT(tessera_quant, m) {
-  m.def("int8_kernels() -> bool", &tessera::int8_kernels);
-  m.def("q4_linear_i8_out(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor(a!) out, "
-        "int limbs=1) -> ()", &tessera::q4_linear_i8_out);
-  m.def("q8_linear_i8_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out, int limbs=1) -> ()",
-        &tessera::q8_linear_i8_out);
-}

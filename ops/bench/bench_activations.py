@@ -29,7 +29,7 @@ def _switch(engine: Any, blocks: list[BlockLinear], kind: str) -> None:
         m.activations, m.bf16 = kind, kind == "bf16"
         m.limbs = INT8_LIMBS.get(kind, 0)
         m.int8 = m.limbs > 0
-    engine.decode_model.model._fused = None  # the fused decode step is rebuilt for the kind
+    engine.runner.backend.fused.built.clear()  # the fused decode step is rebuilt for the kind
 
 
 def main(argv: list[str] | None = None) -> None:

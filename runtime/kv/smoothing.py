@@ -17,6 +17,7 @@ channel for the same outliers. The mean is calibrated on Python's own documentat
 from __future__ import annotations
 
 import pydoc_data.topics
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,8 +60,8 @@ def calibration_windows(encode, windows: int = CALIBRATION_WINDOWS,
 
 @torch.inference_mode()
 def calibrate_key_smoothing(model: nn.Module, num_layers: int, num_kv_heads: int,
-                            head_dim: int, windows: list[list[int]],
-                            device: torch.device) -> KeySmoothing:
+                            head_dim: int, windows: list[list[int]], device: torch.device,
+                            backend: Any = None) -> KeySmoothing:
     """Key means and per-channel scales from `windows` run through `model` (whose attention
     layers are `PagedAttention`) on a scratch float32 KV cache; positions 0 are left out.
 
@@ -96,7 +97,7 @@ def calibrate_key_smoothing(model: nn.Module, num_layers: int, num_kv_heads: int
             meta = AttentionMetadata(
                 slot_mapping=torch.arange(n, device=device), decodes=[],
                 prefills=[PrefillSlice(0, n, torch.arange(pages, device=device), n, None)])
-            with forward_context(ForwardContext(meta, scratch)):
+            with forward_context(ForwardContext(meta, scratch, backend)):
                 model(torch.tensor(window, device=device), torch.arange(n, device=device))
             count += n - 1
     finally:

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import paged_decode_attention, paged_prefill_attention, store_kv
 from kernels.norm import add_rms_norm
+from runtime.attention import backend_of
 from runtime.config import ModelConfig
 from runtime.context import get_forward_context
 from runtime.errors import ModelLoadError
@@ -98,7 +98,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    """Reads and writes this layer's paged KV through the step's forward context."""
+    """Reads and writes this layer's paged KV through the step's forward context: its
+    attention backend (runtime/attention/) stores K/V and attends."""
 
     def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -111,21 +112,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, heads, dim]; k, v: [T, kv_heads, dim] -> [T, heads * dim]
         ctx = get_forward_context()
-        meta = ctx.attn
+        backend = backend_of(ctx)
         kv = ctx.kv_cache.layer(self.layer_index)  # type: ignore[attr-defined]
-        # Smoothed fp8 pages (runtime/kv/smoothing.py): keys stored as (k - shift) / scale and
-        # read by q * scale, values stored as v / v_scale and the output times v_scale.
-        store_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale, kv.hadamard,
-                 kv.k_shift, kv.k_channel_scale, kv.v_channel_scale)
-        parts = []
-        for g in meta.decodes:
-            parts.append(paged_decode_attention(q[g.start : g.end], kv.k, kv.v, g.page_table,
-                                                g.context_lens, self.scale, kv.k_scale, kv.v_scale,
-                                                kv.hadamard, kv.k_channel_scale,
-                                                kv.v_channel_scale))
-        for p in meta.prefills:
-            parts.append(paged_prefill_attention(q[p.start : p.end], kv.k, kv.v, p.page_ids,
-                                                 p.context_len, p.mask, self.scale,
-                                                 kv.k_scale, kv.v_scale, kv.hadamard,
-                                                 kv.k_channel_scale, kv.v_channel_scale))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        backend.store_kv(ctx.attn, kv, k, v)
+        return backend.attend(ctx.attn, kv, q, self.scale)

@@ -7,17 +7,16 @@ Names mirror Hugging Face; q/k/v and gate/up are fused for fewer, larger matmuls
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.attention import backend_of
 from runtime.config import ModelConfig
 from runtime.context import get_forward_context
 from runtime.errors import ModelLoadError
 from runtime.formats import WeightFormat
-from runtime.models.fused_decode import FusedLlamaDecode, build_fused_decode, max_fused_rows
 from runtime.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
 from runtime.models.weights import check_state
 
@@ -85,8 +84,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    # All-decode steps over block weights on CPU run every layer in one C++ call
-    # (runtime/models/fused_decode.py); False runs the Python layers (its twin) always.
+    # An attention backend that runs a fused decode step (runtime/attention/fused_decode.py)
+    # may run all-decode steps in one call; False runs the Python layers (its twin) always.
     fused_decode = True
 
     def __init__(self, config: ModelConfig) -> None:
@@ -97,37 +96,19 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # (the KV cache it was built for, the fused step or None where it does not apply)
-        self._fused: tuple[object, object, FusedLlamaDecode | None] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        fused = self._fused_step(x)
-        if fused is not None:
-            meta = get_forward_context().attn
-            group = meta.decodes[0]
-            cos, sin = self.rotary.cos_sin(positions, x.dtype)
-            return fused(x, cos, sin, meta.slot_mapping, group.page_table, group.context_lens)
+        ctx = get_forward_context()
+        backend = backend_of(ctx)
+        if backend.runs_fused_decode:
+            hidden = backend.run_fused_decode(self, x, positions, ctx.attn, ctx.kv_cache)
+            if hidden is not None:
+                return hidden
         pending = None
         for layer in self.layers:
             pending = layer(positions, x, pending)
         return x if pending is None else x.add_(pending)
-
-    def _fused_step(self, x: torch.Tensor) -> FusedLlamaDecode | None:
-        """The fused step when this step may take it: all decodes in one group, float32
-        activations, within the rows it serves; built once per KV cache."""
-        if not self.fused_decode or x.dtype != torch.float32 or x.device.type != "cpu":
-            return None
-        ctx = get_forward_context()
-        meta = ctx.attn
-        if meta.prefills or len(meta.decodes) != 1 or x.shape[0] > max_fused_rows(self):
-            return None
-        cache: Any = ctx.kv_cache
-        built = self._fused
-        if built is None or built[0] is not cache.k or built[1] is not cache.key_smoothing:
-            built = (cache.k, cache.key_smoothing, build_fused_decode(self, cache))
-            self._fused = built
-        return built[2]
 
 
 class LlamaForCausalLM(nn.Module):

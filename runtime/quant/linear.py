@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_ops import native
 from kernels.fp8 import decode_e4m3_bits
+from kernels.ops import has_device_kernel
 from kernels.qgemv import BLOCK, pack_q4_blocks, q4_dequantize, q4_linear, unpack_q4_blocks
 from runtime.errors import InvalidArgument
 from runtime.quant.fp8 import (
@@ -283,10 +283,10 @@ INT4_LAYOUTS = ("q4_blocks", "cpu_int4pack", "rows")
 
 
 def _default_layout(out_features: int, in_features: int, device: torch.device) -> str:
-    """The q4 block kernel where it runs (CPU, C++ ops built, in % 32 == 0: faster than torch's
-    int4pack at every row count, ops/bench/RESULTS.md#weight-kernels), else torch's, else plain
-    rows."""
-    if device.type == "cpu" and in_features % BLOCK == 0 and native() is not None:
+    """The q4 block kernel where the device has one (in % 32 == 0; on CPU faster than torch's
+    int4pack at every row count, ops/bench/RESULTS.md#weight-kernels), else torch's, else
+    plain rows."""
+    if in_features % BLOCK == 0 and has_device_kernel("q4_linear_out", device):
         return "q4_blocks"
     if _kernel_fits(out_features, in_features, device):
         return "cpu_int4pack"

@@ -24,7 +24,8 @@ from runtime.threads import share_of_cores
 # A value other than the default for each flag (switches are simply given).
 SAMPLES = {"model": "/models/x", "dtype": "bfloat16", "kv-cache-bytes": "123456",
            "max-model-len": "777", "max-num-seqs": "5", "max-num-batched-tokens": "256",
-           "tenant-page-quota": "0.5", "integrity": "off", "kv-cache-dtype": "fp8",
+           "tenant-page-quota": "0.5", "integrity": "off", "attention-backend": "torch",
+           "kv-cache-dtype": "fp8",
            "prefill-kv-cache-dtype": "bf16", "prefill-weights": "fp8",
            "decode-weights": "int4", "weight-group-size": "64", "serving-config": "/x.json",
            "gguf-weights": "dequantize", "gguf-activations": "int8", "worker-threads": "3"}

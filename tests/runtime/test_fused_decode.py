@@ -47,6 +47,12 @@ def _model(llm: LLM) -> LlamaModel:
     return llm.engine.runner.decode_model.model
 
 
+def _built(llm: LLM):
+    """The cpu attention backend's fused step for the decode model: (k pages, smoothing, the
+    step or None where it does not apply), or None before an all-decode step ran."""
+    return llm.engine.runner.backend.fused.built.get(_model(llm))
+
+
 def _pages(llm: LLM) -> list[torch.Tensor]:
     cache = llm.engine.kv_cache
     return [t.clone() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None]
@@ -66,7 +72,7 @@ def test_fused_step_equals_the_python_layers(kv_dtype: str, activations: str) ->
     before = _pages(llm)
     _, fused = llm.engine.runner.execute(batch)
     fused_pages = _pages(llm)
-    assert model._fused is not None and model._fused[2] is not None, "the fused step ran"
+    assert _built(llm) is not None and _built(llm)[2] is not None, "the fused step ran"
     model.fused_decode = False  # the instance only: the twin, the Python layers
     try:
         _, python = llm.engine.runner.execute(batch)
@@ -86,7 +92,7 @@ def test_greedy_tokens_equal_with_the_fused_step_off() -> None:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     fused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     model = _model(llm)
-    assert model._fused is not None and model._fused[2] is not None
+    assert _built(llm) is not None and _built(llm)[2] is not None
     model.fused_decode = False
     try:
         python = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
@@ -98,15 +104,15 @@ def test_greedy_tokens_equal_with_the_fused_step_off() -> None:
 def test_dequantized_weights_take_the_python_layers(llm) -> None:
     """Dense fp32 weights (the transformers-parity model) are not block planes: no fused step."""
     llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0))
-    built = _model(llm)._fused
+    built = _built(llm)
     assert built is not None and built[2] is None
 
 
 def test_bf16_activations_fuse_only_up_to_their_float32_rows() -> None:
-    from runtime.models.fused_decode import max_fused_rows
+    from runtime.attention.fused_decode import max_fused_rows
     from runtime.quant.blocks import BlockLinear
 
     llm = LLM(kv_cache_bytes=32 << 20, max_num_seqs=4, gguf_activations="bf16")
     assert max_fused_rows(_model(llm)) == BlockLinear.bf16_min_rows
     llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
-    assert _model(llm)._fused[2] is not None
+    assert _built(llm)[2] is not None

@@ -9,6 +9,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
+from kernels.ops import twin_ops
 from ops.planner.engine import memory_report
 from runtime import LLM, SamplingParams
 from tests.helpers import capture_logits
@@ -90,7 +91,7 @@ def test_fp8_prefix_hit_samples_what_a_whole_prefill_scores(fp8_llm, monkeypatch
     if path == "twin":
         for name in ("kernels.paged_attention", "kernels.store_kv", "kernels.kv_fp8"):
             # NOTE: import_module: `kernels.store_kv` the attribute is the function
-            monkeypatch.setattr(importlib.import_module(name), "native", lambda: None)
+            monkeypatch.setattr(importlib.import_module(name), "native_ops", twin_ops)
     # "assert" at 50 tokens: the prompt whose tail re-rounds at layer 6 (KL 1.7e-3)
     topic = "assert" if remaining == 2 else "raise"
     tenant = f"hit-{path}-{remaining}"

@@ -10,6 +10,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
+from kernels.ops import twin_ops
 from ops.planner.engine import memory_report
 from runtime import LLM, SamplingParams
 from tests.helpers import capture_logits
@@ -96,7 +97,7 @@ def test_int8_prefix_hit_samples_what_a_whole_prefill_scores(int8_llm, monkeypat
     a step away: close in distribution. A page read unrotated or unscaled gives KL > 1."""
     if path == "twin":
         for name in ("kernels.paged_attention", "kernels.store_kv", "kernels.kv_fp8"):
-            monkeypatch.setattr(importlib.import_module(name), "native", lambda: None)
+            monkeypatch.setattr(importlib.import_module(name), "native_ops", twin_ops)
     topic = "assert" if remaining == 2 else "raise"
     tenant = f"hit-{path}-{remaining}"
     ids = int8_llm.tokenizer.encode(pydoc_data.topics.topics[topic])[: 48 + remaining]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.models.layout import is_column_major, use_column_major_weights
+from runtime.loader.weight_layout import is_column_major, use_column_major_weights
 
 
 class _Tied(nn.Module):

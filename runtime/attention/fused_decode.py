@@ -1,7 +1,9 @@
 """The fused decode step for Llama-family models served from GGUF blocks on CPU
-(`kernels.decode_llama`): when it applies, and its build from a model and its KV cache.
+(`kernels.decode_llama`): when it applies, and its build from a model and its KV cache, kept
+per model by the `cpu` attention backend (`runtime/attention/cpu.py`).
 
-It applies to an all-decode step (no prefill chunk, one decode group) of a model whose four
+It applies to an all-decode step (no prefill chunk, one decode group) of a model that allows it
+(`LlamaModel.fused_decode`) whose four
 projections in every layer are `BlockLinear`s with no hooks (tensor-parallel shards add an
 all-reduce hook) and whose activations stay in float32 or int8 at the step's row count
 (bf16's many-row path runs in Python). Otherwise the model's Python forward runs; both give
@@ -9,6 +11,8 @@ the same numbers (tests/runtime/test_fused_decode.py).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,3 +70,26 @@ def build_fused_decode(model: nn.Module, kv_cache: object) -> FusedLlamaDecode |
     eps = model.layers[0].input_layernorm.eps
     return FusedLlamaDecode(first.num_heads, first.num_kv_heads, first.head_dim, eps,
                             first.attn.scale, BlockLinear.int8_max_rows, specs)
+
+
+class FusedSteps:
+    """The fused step of each model, built on first use and again when the KV cache it reads
+    (its pages or their key smoothing) is replaced; None where it does not apply."""
+
+    def __init__(self) -> None:
+        # model -> (the cache's k pages, its key smoothing, the step or None)
+        self.built: dict[nn.Module, tuple[object, object, FusedLlamaDecode | None]] = {}
+
+    def step_for(self, model: nn.Module, x: torch.Tensor,
+                 kv_cache: object) -> FusedLlamaDecode | None:
+        """The step for this all-decode batch `x` [T, hidden]: float32 activations, within the
+        rows it serves, a model that allows it."""
+        if (not getattr(model, "fused_decode", False) or x.dtype != torch.float32
+                or x.shape[0] > max_fused_rows(model)):
+            return None
+        cache: Any = kv_cache
+        built = self.built.get(model)
+        if built is None or built[0] is not cache.k or built[1] is not cache.key_smoothing:
+            built = (cache.k, cache.key_smoothing, build_fused_decode(model, cache))
+            self.built[model] = built
+        return built[2]
