@@ -1,5 +1,6 @@
-"""What a request's output must match: a JSON schema, any JSON object, a regex or a Lark
-grammar (vLLM's `guided_json` / `guided_regex` / `guided_grammar`, OpenAI's `response_format`).
+"""What a request's output must match: a JSON schema, any JSON object, a regex, a Lark
+grammar (vLLM's `guided_json` / `guided_regex` / `guided_grammar`, OpenAI's `response_format`),
+or a forced tool call (`tool_call`: the tools' definitions, see runtime/tool_grammar.py).
 
 Only the request's description lives here, validated without the grammar engine: its kind, its
 size and, for a JSON schema, that it parses and is not nested past a bound. Compiling it for the
@@ -13,11 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from runtime.errors import InvalidArgument
+from runtime.tool_grammar import check_tool_call_spec
 
-Kind = Literal["json_schema", "json_object", "regex", "grammar"]
-KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar")
+Kind = Literal["json_schema", "json_object", "regex", "grammar", "tool_call"]
+KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar", "tool_call")
 # A schema, regex or grammar is compiled against the whole vocabulary before the request runs:
 # its text and a schema's nesting are bounded so that no request can make that cost unbounded.
+# A tool_call spec has its own bounds (runtime/tool_grammar.py): each function's parameters are
+# bounded as a schema is, and all of them together by MAX_TOOL_CALL_SPEC_CHARS.
 MAX_SPEC_CHARS = 32_768
 MAX_SCHEMA_DEPTH = 64  # levels of JSON nesting in the schema document
 
@@ -45,6 +49,11 @@ class StructuredOutput:
                                           "invalid")
         if not isinstance(self.spec, str):
             raise InvalidStructuredOutput("structured output spec must be a string", "invalid")
+        if self.kind == "tool_call":
+            problem = check_tool_call_spec(self.spec)
+            if problem is not None:
+                raise InvalidStructuredOutput(*problem)
+            return
         if len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidStructuredOutput(
                 f"{self.kind} is too large: at most {MAX_SPEC_CHARS} characters", "too_large")

@@ -12,11 +12,12 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.client import AsyncStream
-from gateway.rest.choices import Choices
+from gateway.rest.choices import Choices, ToolParsing
 from gateway.rest.docs import OPENAI_ERRORS, SSE_OK
 from gateway.rest.errors import openai_error_body
 from gateway.rest.relay import SSE_DONE, SSE_HEADERS, Relay, merged, sse
 from gateway.rest.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from gateway.rest.structured import NamedToolChoice
 from gateway.rest.tool_calls import forcing_grammar, render_messages
 from gateway.rest.upstream import api_key, fingerprint, open_stream, served_header
 from runtime.errors import TesseraError
@@ -42,9 +43,9 @@ class _Shape:
     """What differs between chat and text completions: ids, object names, the envelope."""
 
     def __init__(self, chat: bool, body: OpenAIRequest,
-                 tool_names: set[str] | None = None) -> None:
+                 tools: ToolParsing | None = None) -> None:
         self.chat, self.model, self.n = chat, body.model, body.n
-        self.tool_names = tool_names or set()  # parse tool calls out of the text when set
+        self.tools = tools  # parse tool calls out of the text when set
         self.logprobs = body.logprob_count() is not None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -78,7 +79,7 @@ async def _serve(request: Request, body: OpenAIRequest, shape: _Shape, route: st
         for relay in relays:
             relay.close()
         raise failed[0]
-    choices = [Choices(shape.chat, shape.logprobs, k * shape.n, shape.tool_names)
+    choices = [Choices(shape.chat, shape.logprobs, k * shape.n, shape.tools)
                for k in range(len(relays))]
     if not body.stream:
         async for k, chunk in merged(relays):
@@ -128,8 +129,10 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     messages = render_messages([m.as_dict() for m in body.messages], body)
     stream = open_stream(request, request.app.state.upstream, model=body.model,
                          messages=messages, sampling=sampling)
-    tool_names = {f.name for f in body.active_tools()}
-    return await _serve(request, body, _Shape(True, body, tool_names), "chat", [stream])
+    tools = ToolParsing(frozenset(f.name for f in body.active_tools()),
+                        1 if body.parallel_tool_calls is False else None,
+                        isinstance(body.tool_choice, NamedToolChoice))
+    return await _serve(request, body, _Shape(True, body, tools), "chat", [stream])
 
 
 @router.post("/completions", responses={**SSE_OK, **OPENAI_ERRORS})
