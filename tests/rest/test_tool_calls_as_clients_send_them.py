@@ -168,33 +168,33 @@ def test_parallel_tool_calls_false_keeps_one_call_under_auto(oai) -> None:
 
 
 def ordinary_tools(count: int) -> list[dict]:
-    """`count` tools of the size real agents send (~1.4 KB each: a paragraph of description,
-    six documented parameters)."""
+    """`count` tools of the size real agents send (~1.4 KB each: six parameters, each with a
+    sentence or two of documentation)."""
     kinds = [{"type": "string", "maxLength": 30}, {"type": "integer", "minimum": 0,
                                                     "maximum": 1000},
              {"enum": ["low", "medium", "high"]}, {"type": "boolean"}]
     tools = []
     for i in range(count):
-        props = {f"field_{j}": {**kinds[(i + j) % 4],
-                                "description": f"Parameter {j} of operation {i}: what it "
-                                               "selects, in which unit, and its default."}
-                 for j in range(6)}
+        props = {f"field_{j}": {**kinds[(i + j) % 4], "description": (
+            f"Parameter {j} of operation {i}: which records it selects, in which unit it is "
+            "given, what happens when it is left out, and how it combines with the others.")}
+            for j in range(6)}
         tools.append({"type": "function", "function": {
             "name": f"operation_{i}",
-            "description": f"Operation {i} of the inventory service. " + "It looks records "
-                           "up by the given fields, filters them and returns a summary. " * 4,
+            "description": f"Operation {i} of the inventory service: looks records up.",
             "parameters": {"type": "object", "properties": props,
                            "required": sorted(props), "additionalProperties": False}}})
     return tools
 
 
-def test_required_call_among_24ordinary_tools_is_not_refused_as_a_grammar(oai) -> None:
+def test_required_call_among_24_ordinary_tools_is_not_refused_as_a_grammar(oai) -> None:
     """Item 10: the tools' definitions (over the 32 KiB bound on a client's grammar) are
     bounded as tools, not as a grammar. Listed in the prompt they are ~10k tokens, past the
     default model's context, so here the request gets that refusal (tests/rest/
     test_tool_call_grammar_property.py forces a valid call among the same 24 tools)."""
     tools = ordinary_tools(24)
     assert len(json.dumps(tools)) > 33_000
+    assert len(json.dumps([t["function"]["parameters"] for t in tools])) > 32_768
     with pytest.raises(openai.BadRequestError) as info:
         ask(oai, messages=[{"role": "user", "content": "Look up the records."}],
             tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=160)
