@@ -14,16 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from runtime.errors import InvalidArgument
+from runtime.schema_bounds import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS, schema_depth
 from runtime.tool_grammar import check_tool_call_spec
+
+__all__ = ["KINDS", "MAX_SCHEMA_DEPTH", "MAX_SPEC_CHARS", "InvalidStructuredOutput", "Kind",
+           "StructuredOutput", "schema_depth"]
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar", "tool_call"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar", "tool_call")
-# A schema, regex or grammar is compiled against the whole vocabulary before the request runs:
-# its text and a schema's nesting are bounded so that no request can make that cost unbounded.
-# A tool_call spec has its own bounds (runtime/tool_grammar.py): each function's parameters are
-# bounded as a schema is, and all of them together by MAX_TOOL_CALL_SPEC_CHARS.
-MAX_SPEC_CHARS = 32_768
-MAX_SCHEMA_DEPTH = 64  # levels of JSON nesting in the schema document
 
 
 class InvalidStructuredOutput(InvalidArgument):
@@ -84,18 +82,3 @@ def _parse_schema(spec: str) -> Any:
     if not isinstance(schema, (dict, bool)):
         raise InvalidStructuredOutput("json_schema must be a JSON object", "invalid")
     return schema
-
-
-def schema_depth(value: Any) -> int:
-    """How deeply objects and arrays nest in a JSON value (a scalar is 0), iteratively so that
-    a hostile document cannot exhaust the Python stack."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node \
-            if isinstance(node, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest

@@ -19,6 +19,8 @@ import json
 import re
 from typing import Any
 
+from runtime.schema_bounds import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS, schema_depth
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_FUNCTIONS = 128
 MAX_TOOL_CALL_SPEC_CHARS = 262_144  # every function's definition together
@@ -36,8 +38,6 @@ def tool_call_spec(functions: list[tuple[str, dict[str, Any]]], several: bool) -
 def check_tool_call_spec(spec: str) -> tuple[str, str] | None:
     """What is wrong with a spec, as (message, problem) where problem is invalid, too_large or
     too_deep; None when it is well formed. Needs no grammar engine."""
-    from runtime.structured_output import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS, schema_depth
-
     if len(spec) > MAX_TOOL_CALL_SPEC_CHARS:
         return (f"tool definitions are too large: at most {MAX_TOOL_CALL_SPEC_CHARS} "
                 "characters in all", "too_large")
