@@ -203,10 +203,11 @@ class ToolCallParser:
         head = _CALL_HEAD.match(block)
         if head is None or head.group(1) not in self.names:
             return None
-        return ToolCall(head.group(1), block[head.end():].rstrip())
+        return ToolCall(head.group(1), block[head.end():].rstrip() if head.group(2) else "")
 
 
-_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+# A cut call's head: its name complete, then (when the output got that far) its arguments' key.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"(\s*,\s*"arguments"\s*:\s*)?')
 
 
 class _CloseScanner:

@@ -213,3 +213,22 @@ def test_several_calls_leave_content_null(oai, choice) -> None:
     assert [c["arguments"] for c in calls.values()] == \
         [c.function.arguments for c in done.message.tool_calls]
     assert finish == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_call_cut_by_max_tokens_is_a_call_not_markup_in_content(oai, stream) -> None:
+    """Item 8's last clause: a call cut short comes back as OpenAI returns one, a tool call
+    with its arguments as far as they got and finish_reason "length"; no markup in content."""
+    request = dict(messages=[{"role": "user", "content": "Book me a trip to Paris."}],
+                   tools=[BOOK], tool_choice=named("book_trip"), max_tokens=24)
+    if stream:
+        contents, calls, finish = streamed(oai, **request)
+        assert contents == [] and [c["name"] for c in calls.values()] == ["book_trip"]
+        arguments = calls[0]["arguments"]
+    else:
+        done = ask(oai, **request)
+        assert done.message.content is None
+        assert [c.function.name for c in done.message.tool_calls] == ["book_trip"]
+        arguments, finish = done.message.tool_calls[0].function.arguments, done.finish_reason
+    assert finish == "length"
+    assert arguments.startswith('{"city": ')
