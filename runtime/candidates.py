@@ -1,8 +1,10 @@
 """Several candidates for one prompt (`n` > 1, vLLM's parallel sampling).
 
-Each candidate is its own request (`n` = 1) with its own random stream: candidate i samples
+Each candidate is its own request (`n` = 1): candidate i samples
 with seed + i (mod 2**64) when the request is seeded, as vLLM's child requests do; unseeded,
-each draws from its own fresh generator. Candidate 0 is admitted first; the others once it has
+each draws from the engine's default generator, as any unseeded request does (their draws
+interleave with the batch's, so they differ from each other and are not reproducible, which is
+all OpenAI promises without a seed). Candidate 0 is admitted first; the others once it has
 sampled its first token, by which time the prompt's full pages are in the (tenant-salted)
 prefix cache: they map those pages (refcounted, tags recorded as for any hit) instead of
 computing them again. Only the last, partial page of the prompt is computed once per candidate.

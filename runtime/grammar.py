@@ -34,6 +34,7 @@ import torch
 
 from runtime.structured_output import InvalidStructuredOutput, StructuredOutput
 from runtime.tokenizer import Tokenizer
+from runtime.tool_grammar import tool_call_lark
 
 _ERROR_CHARS = 300  # a compiler's message may quote the spec: shown cut
 # JSON is written as json.dumps writes it: whitespace a model may choose freely is whitespace a
@@ -115,6 +116,8 @@ class GrammarCompiler:
             if so.kind in ("json_schema", "json_object"):
                 spec = so.spec if so.kind == "json_schema" else json.dumps({"type": "object"})
                 return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides=_JSON_STYLE)
+            if so.kind == "tool_call":
+                return llguidance.LLMatcher.grammar_from_lark(tool_call_lark(so.spec))
             if so.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(so.spec)
             return llguidance.LLMatcher.grammar_from_lark(so.spec)

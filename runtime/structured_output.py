@@ -1,5 +1,6 @@
-"""What a request's output must match: a JSON schema, any JSON object, a regex or a Lark
-grammar (vLLM's `guided_json` / `guided_regex` / `guided_grammar`, OpenAI's `response_format`).
+"""What a request's output must match: a JSON schema, any JSON object, a regex, a Lark
+grammar (vLLM's `guided_json` / `guided_regex` / `guided_grammar`, OpenAI's `response_format`),
+or a forced tool call (`tool_call`: the tools' definitions, see runtime/tool_grammar.py).
 
 Only the request's description lives here, validated without the grammar engine: its kind, its
 size and, for a JSON schema, that it parses and is not nested past a bound. Compiling it for the
@@ -13,13 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from runtime.errors import InvalidArgument
+from runtime.schema_bounds import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS, schema_depth
+from runtime.tool_grammar import check_tool_call_spec
 
-Kind = Literal["json_schema", "json_object", "regex", "grammar"]
-KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar")
-# A schema, regex or grammar is compiled against the whole vocabulary before the request runs:
-# its text and a schema's nesting are bounded so that no request can make that cost unbounded.
-MAX_SPEC_CHARS = 32_768
-MAX_SCHEMA_DEPTH = 64  # levels of JSON nesting in the schema document
+__all__ = ["KINDS", "MAX_SCHEMA_DEPTH", "MAX_SPEC_CHARS", "InvalidStructuredOutput", "Kind",
+           "StructuredOutput", "schema_depth"]
+
+Kind = Literal["json_schema", "json_object", "regex", "grammar", "tool_call"]
+KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar", "tool_call")
 
 
 class InvalidStructuredOutput(InvalidArgument):
@@ -45,6 +47,11 @@ class StructuredOutput:
                                           "invalid")
         if not isinstance(self.spec, str):
             raise InvalidStructuredOutput("structured output spec must be a string", "invalid")
+        if self.kind == "tool_call":
+            problem = check_tool_call_spec(self.spec)
+            if problem is not None:
+                raise InvalidStructuredOutput(*problem)
+            return
         if len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidStructuredOutput(
                 f"{self.kind} is too large: at most {MAX_SPEC_CHARS} characters", "too_large")
@@ -75,18 +82,3 @@ def _parse_schema(spec: str) -> Any:
     if not isinstance(schema, (dict, bool)):
         raise InvalidStructuredOutput("json_schema must be a JSON object", "invalid")
     return schema
-
-
-def schema_depth(value: Any) -> int:
-    """How deeply objects and arrays nest in a JSON value (a scalar is 0), iteratively so that
-    a hostile document cannot exhaust the Python stack."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node \
-            if isinstance(node, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest

@@ -33,6 +33,7 @@ from gateway.rest.upstream import MAX_API_KEY_BYTES, Upstream
 from gateway.wire import MAX_NAME_BYTES
 from runtime.errors import TesseraError, bounded
 from runtime.structured_output import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
+from runtime.tool_grammar import MAX_TOOL_CALL_SPEC_CHARS
 
 STATIC = Path(__file__).parent / "static"
 _HTTP_REASONS = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 408: "REQUEST_TIMEOUT",
@@ -68,13 +69,18 @@ is); a prompt that is empty or
 whose token ids are outside the model's vocabulary (400 `INVALID_ARGUMENT`, param `prompt`); a
 conversation the model's chat template refuses (400); a `response_format` schema or a tool's
 `parameters` that does not compile, is larger than {MAX_SPEC_CHARS} characters or nests more
-than {MAX_SCHEMA_DEPTH} levels, tools with duplicate names, a `tool_choice` naming a function
+than {MAX_SCHEMA_DEPTH} levels, tools whose parameters together pass
+{MAX_TOOL_CALL_SPEC_CHARS} characters under a required tool call, a `strict: true` schema that
+contradicts OpenAI's strict rules (`additionalProperties` other than false, a listed key not
+required), tools with duplicate names, a `tool_choice` naming a function
 not in `tools` or given without tools, a required tool call with a `response_format` (400
 `INVALID_ARGUMENT`, param `response_format`, `tools`, `tool_choice` or `structured_output`,
 the message naming the problem); a request that alone needs more KV than
 its tenant may hold (429 `TENANT_QUOTA_EXCEEDED`, not to be retried); a key that already has
 as many requests running and waiting as it may (429 `TENANT_CONCURRENCY_EXCEEDED` with
-Retry-After); a full server (429 with Retry-After); a server shutting down (503 `UNAVAILABLE`
+Retry-After); a `/v1/completions` prompt list longer than its key's `max_inflight +
+max_queued` (400 `INVALID_ARGUMENT`, param `prompt`: it could never run within them); a
+full server (429 with Retry-After); a server shutting down (503 `UNAVAILABLE`
 with Retry-After).
 
 Errors: OpenAI routes answer `{{"error": {{"message", "type", "code", "param", "reason"}}}}`,

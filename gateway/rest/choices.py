@@ -8,8 +8,11 @@ Logprobs are of the raw model distribution (before penalties and temperature: vL
 
 With tools offered (chat only), each candidate's text goes through its own ToolCallParser:
 calls become `tool_calls` (streamed as OpenAI streams them: the call's id, type and name with
-empty arguments, then the arguments), the rest stays `content`, and a candidate that called a
-function and stopped finishes with `tool_calls`.
+empty arguments, then the arguments), the rest stays `content` (null when there is none), and a
+candidate that called a function and stopped finishes with `tool_calls`, except under a named
+`tool_choice`, where it finishes with `stop` (as OpenAI does). With `parallel_tool_calls: false`
+only the first call is kept (as vLLM does); a call cut by max_tokens is still returned, its
+arguments as far as they got, with `length` (as OpenAI does).
 """
 
 from __future__ import annotations
@@ -42,19 +45,30 @@ class _Choice:
     content: str = ""  # the text that is not a call (with a parser)
 
 
+@dataclass(frozen=True)
+class ToolParsing:
+    """How calls are read out of a chat candidate's text: the functions offered, at most
+    `max_calls` kept (None: all), and whether tool_choice named the function."""
+
+    names: frozenset[str]
+    max_calls: int | None = None
+    named: bool = False
+
+
 class Choices:
     """Choices of one prompt's candidates; `base` offsets their indexes (prompt k of a list
     with n candidates each starts at k * n, as OpenAI and vLLM number them)."""
 
     def __init__(self, chat: bool, logprobs: bool, base: int = 0,
-                 tool_names: set[str] | None = None) -> None:
+                 tools: ToolParsing | None = None) -> None:
         self.chat, self.want_logprobs, self.base = chat, logprobs, base
-        self.tool_names = tool_names if chat and tool_names else None
+        self.tools = tools if chat and tools is not None and tools.names else None
         self._choices: dict[int, _Choice] = {}
 
     def _choice(self, index: int) -> _Choice:
         if index not in self._choices:
-            parser = ToolCallParser(self.tool_names) if self.tool_names else None
+            t = self.tools
+            parser = ToolCallParser(set(t.names), t.max_calls) if t is not None else None
             self._choices[index] = _Choice(parser=parser)
         return self._choices[index]
 
@@ -90,7 +104,7 @@ class Choices:
         c.finish_reason = chunk.finish_reason or c.finish_reason
         events = list(c.parser.feed(chunk.text))
         if chunk.finish_reason:
-            events += c.parser.finish()
+            events += c.parser.finish(cut_short=chunk.finish_reason == "length")
         deltas: list[dict[str, Any]] = []
         for kind, value in events:
             if kind == "content":
@@ -110,10 +124,11 @@ class Choices:
                         else None})
         return out
 
-    @staticmethod
-    def _finish(c: _Choice) -> str | None:
+    def _finish(self, c: _Choice) -> str | None:
         called = c.parser is not None and bool(c.parser.calls)
-        return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+        named = self.tools is not None and self.tools.named
+        return "tool_calls" if called and not named and c.finish_reason == "stop" \
+            else c.finish_reason
 
     def bodies(self, n: int) -> list[dict[str, Any]]:
         """Every candidate's whole choice (n of them, by index)."""

@@ -12,14 +12,16 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.client import AsyncStream
-from gateway.rest.choices import Choices
+from gateway.errors import TenantConcurrencyExceeded
+from gateway.rest.choices import Choices, ToolParsing
 from gateway.rest.docs import OPENAI_ERRORS, SSE_OK
 from gateway.rest.errors import openai_error_body
 from gateway.rest.relay import SSE_DONE, SSE_HEADERS, Relay, merged, sse
 from gateway.rest.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from gateway.rest.structured import NamedToolChoice
 from gateway.rest.tool_calls import forcing_grammar, render_messages
 from gateway.rest.upstream import api_key, fingerprint, open_stream, served_header
-from runtime.errors import TesseraError
+from runtime.errors import InvalidArgument, TesseraError
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 
@@ -42,9 +44,9 @@ class _Shape:
     """What differs between chat and text completions: ids, object names, the envelope."""
 
     def __init__(self, chat: bool, body: OpenAIRequest,
-                 tool_names: set[str] | None = None) -> None:
+                 tools: ToolParsing | None = None) -> None:
         self.chat, self.model, self.n = chat, body.model, body.n
-        self.tool_names = tool_names or set()  # parse tool calls out of the text when set
+        self.tools = tools  # parse tool calls out of the text when set
         self.logprobs = body.logprob_count() is not None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -77,8 +79,9 @@ async def _serve(request: Request, body: OpenAIRequest, shape: _Shape, route: st
     if failed:
         for relay in relays:
             relay.close()
+        _refuse_a_list_that_never_fits(len(relays), failed)
         raise failed[0]
-    choices = [Choices(shape.chat, shape.logprobs, k * shape.n, shape.tool_names)
+    choices = [Choices(shape.chat, shape.logprobs, k * shape.n, shape.tools)
                for k in range(len(relays))]
     if not body.stream:
         async for k, chunk in merged(relays):
@@ -89,6 +92,24 @@ async def _serve(request: Request, body: OpenAIRequest, shape: _Shape, route: st
     usage = body.stream_options is not None and body.stream_options.include_usage
     return StreamingResponse(_events(relays, choices, shape, usage),
                              media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _refuse_a_list_that_never_fits(prompts: int, failed: list[BaseException]) -> None:
+    """A prompt list runs as one gateway request per prompt, all at once, each counted against
+    the key's limits. A list longer than `max_inflight + max_queued` is refused by those limits
+    however idle the server is: INVALID_ARGUMENT (param `prompt`, problem
+    `exceeds_tenant_limits`, not retryable) instead of the retryable 429 a busy key gets."""
+    refusal = next((e for e in failed if isinstance(e, TenantConcurrencyExceeded)), None)
+    if refusal is None or prompts < 2:
+        return
+    inflight, queued = refusal.metadata.get("max_inflight"), refusal.metadata.get("max_queued")
+    if inflight is None or queued is None or prompts <= int(inflight) + int(queued):
+        return
+    raise InvalidArgument(
+        f"a list of {prompts} prompts can never run within this key's limits (max_inflight="
+        f"{inflight}, max_queued={queued}): send at most {int(inflight) + int(queued)} prompts "
+        "per request", field="prompt", problem="exceeds_tenant_limits",
+        max_inflight=inflight, max_queued=queued)
 
 
 async def _events(relays: list[Relay], choices: list[Choices], shape: _Shape,
@@ -128,8 +149,10 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     messages = render_messages([m.as_dict() for m in body.messages], body)
     stream = open_stream(request, request.app.state.upstream, model=body.model,
                          messages=messages, sampling=sampling)
-    tool_names = {f.name for f in body.active_tools()}
-    return await _serve(request, body, _Shape(True, body, tool_names), "chat", [stream])
+    tools = ToolParsing(frozenset(f.name for f in body.active_tools()),
+                        1 if body.parallel_tool_calls is False else None,
+                        isinstance(body.tool_choice, NamedToolChoice))
+    return await _serve(request, body, _Shape(True, body, tools), "chat", [stream])
 
 
 @router.post("/completions", responses={**SSE_OK, **OPENAI_ERRORS})

@@ -3,8 +3,9 @@
 
 A schema is checked here for what needs no grammar engine (JSON, size, nesting: a typed 400
 before any worker is asked); the worker's grammar engine refuses what does not compile (an
-unknown type, a dangling `$ref`), also as a 400 naming the problem. `strict: false` is accepted
-and enforced all the same, as vLLM does: a schema is always a constraint here.
+unknown type, a dangling `$ref`), also as a 400 naming the problem. A schema is always a
+constraint here, as in vLLM; `strict: true` adds OpenAI's strict rules to it (no keys beyond
+those listed, every listed key required: gateway/rest/strict_schema.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from gateway.rest.strict import Strict, Text
+from gateway.rest.strict_schema import strict_schema
 from runtime.errors import InvalidArgument
 from runtime.structured_output import InvalidStructuredOutput, StructuredOutput
 
@@ -48,7 +50,11 @@ class ResponseFormat(Strict):
         if self.json_schema is None:
             return None
         try:
-            return StructuredOutput("json_schema", schema_text(self.json_schema.schema_ or {}))
+            schema = self.json_schema.schema_ or {}
+            StructuredOutput.json_schema(schema)  # bounded before strict mode walks it
+            if self.json_schema.strict:
+                schema = strict_schema(schema, "response_format")
+            return StructuredOutput("json_schema", schema_text(schema))
         except InvalidStructuredOutput as e:
             raise InvalidStructuredOutput(f"response_format: {e.message}",
                                           e.metadata["problem"], "response_format") from None
@@ -60,8 +66,15 @@ class FunctionDef(Strict):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    def parameters_schema(self) -> dict[str, Any]:
+    def raw_parameters(self) -> dict[str, Any]:
         return self.parameters or {"type": "object", "properties": {}}
+
+    def parameters_schema(self) -> dict[str, Any]:
+        """The parameters as they constrain a call: with `strict`, OpenAI's strict rules
+        applied (call after `ToolFields.check_tools` has bounded them)."""
+        if self.strict:
+            return strict_schema(self.raw_parameters(), "tools")
+        return self.raw_parameters()
 
 
 class Tool(Strict):
@@ -123,7 +136,8 @@ class ToolFields(Strict):
                                   "call", field="response_format")
         for tool in self.tools or ():
             try:
-                StructuredOutput.json_schema(tool.function.parameters_schema())
+                StructuredOutput.json_schema(tool.function.raw_parameters())
+                tool.function.parameters_schema()
             except InvalidStructuredOutput as e:
                 raise InvalidStructuredOutput(
                     f"tools: {tool.function.name}'s parameters: {e.message}",
