@@ -267,6 +267,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise
     print(f"tessera gateway on {runner.target} serving {args.model_id}; starting workers",
           flush=True)
+    # NOTE: before the workers are ready, so a client can be told why none can start (503)
+    if dev_key is not None:
+        print(f"dev API key (tenant 'dev'): {dev_key}", flush=True)
     rest = None
     if not args.no_http:  # up before the workers: while none can start, it says why (503)
         operator_key = args.operator_key or os.environ.get("TESSERA_OPERATOR_KEY") or None
@@ -283,11 +286,7 @@ def _serve(args: argparse.Namespace) -> int:
         runner.stop()
         return 0 if done.is_set() else 1
     print("workers ready", flush=True)
-    if dev_key is not None:
-        print(f"dev API key (tenant 'dev'): {dev_key}", flush=True)
-        key_hint = dev_key
-    else:
-        key_hint = "YOUR_KEY"
+    key_hint = dev_key if dev_key is not None else "YOUR_KEY"
     print("call it:\n  python3 -c \"from gateway.client import Client; "
           f"s = Client('{runner.target}', api_key='{key_hint}').generate('Hello', "
           "max_tokens=32); print(''.join(c.text for c in s), s.usage)\"", flush=True)

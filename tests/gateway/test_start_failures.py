@@ -65,16 +65,19 @@ def _free_port() -> int:
 class Served:
     """`tessera serve` as a user runs it, with a model path that does not exist (yet)."""
 
-    def __init__(self, tmp: Path, model: Path, start_timeout_s: float) -> None:
+    def __init__(self, tmp: Path, model: Path, start_timeout_s: float,
+                 dev_key: bool = False) -> None:
         self.grpc_port, self.http_port = _free_port(), _free_port()
         keys = tmp / "keys"
         keys.write_text(f"{KEY}=tenant\n")
+        env = {k: v for k, v in os.environ.items() if k != "TESSERA_API_KEYS"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "serve", "--grpc-port", str(self.grpc_port),
-             "--http-port", str(self.http_port), "--api-keys", str(keys), "--model", str(model),
+             "--http-port", str(self.http_port), *([] if dev_key else ["--api-keys", str(keys)]),
+             "--model", str(model),
              "--kv-cache-bytes", str(256 << 20), "--worker-start-failures", "1",
              "--max-restart-backoff-s", "2", "--worker-start-timeout-s", str(start_timeout_s)],
-            env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+            env={**env, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         self.out: list[str] = []
         self.err: list[str] = []
@@ -105,8 +108,8 @@ class Served:
 def served(tmp_path):
     started: list[Served] = []
 
-    def start(model: Path, start_timeout_s: float) -> Served:
-        started.append(Served(tmp_path, model, start_timeout_s))
+    def start(model: Path, start_timeout_s: float, dev_key: bool = False) -> Served:
+        started.append(Served(tmp_path, model, start_timeout_s, dev_key))
         return started[-1]
 
     yield start
@@ -158,3 +161,19 @@ def test_a_pool_whose_cause_goes_away_serves_again_by_itself(served, tmp_path):
     s.wait_for("workers ready", timeout_s=400)  # a cold start on a loaded 2-core box
     assert s.generate()
     assert s.rest("/v1/models").json()["data"][0]["state"] == "ready"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_dev_key_is_printed_before_the_workers_so_a_client_can_hear_why_none_starts(
+        served, tmp_path):
+    missing = tmp_path / "no-such-model.gguf"
+    s = served(missing, start_timeout_s=60, dev_key=True)
+    s.wait_for("REST shim on")
+    s.wait_for("dev API key")
+    key = next(line for line in s.out if "dev API key" in line).split()[-1]
+    r = httpx.post(f"http://127.0.0.1:{s.http_port}/v1/chat/completions", timeout=60,
+                   headers={"authorization": f"Bearer {key}"},
+                   json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_start_failed", r.text
+    assert not any("workers ready" in line for line in s.out)
