@@ -1,0 +1,115 @@
+"""Fused MoE in Triton: one grouped matmul over every expert's rows, the rows sorted by expert
+and padded to BLOCK_M (`moe_align_block_size` in `kernels/triton/launch_moe.py`).
+
+vLLM's and SGLang's `fused_moe_kernel` shape: program (m block, n block) reads its block's
+expert from `expert_ids`, gathers its rows through `sorted_ids` (padding ids are >= num_valid
+and masked), and exits when its block lies past `num_post_pad[0]`, so the grid is a function
+of the padded upper bound only. Two epilogues: SwiGLU (the gate rows [0, N) and the up rows
+[N, 2N) of one w13 tile pair, silu(gate) * up written once) and the router weight (a row's
+top-k weight, on the down projection). Weights: bf16/fp16/fp32, block-FP8 (e4m3 bytes, one
+fp32 scale per (row, 128-column block)), or INT4 (two codes per byte along K, low nibble first,
+one bf16 scale per (row, group), 4-bit zero points or symmetric offset 8).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.triton.paged_attention import _dot
+
+
+@triton.jit
+def _weight_tile(w_ptrs, s_ptrs, z_ptrs, offs_k, k0, k_ok, n_ok, stride_wk, stride_sk,
+                 W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 dtype: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] weight tile at K offset k0 in `dtype`. FP8 tiles are unscaled
+    (the block scale multiplies the partial product); INT4 tiles are dequantized here."""
+    mask = k_ok[:, None] & n_ok[None, :]
+    k = k0 + offs_k
+    if W_FORMAT == 2:  # int4: byte k // 2 holds codes k (low nibble when k is even) and k + 1
+        b = tl.load(w_ptrs + (k // 2)[:, None] * stride_wk, mask=mask, other=0)
+        code = ((b >> ((k % 2) * 4).to(tl.uint8)[:, None]) & 0xF).to(tl.float32)
+        g = (k // GROUP_K)[:, None] * stride_sk
+        s = tl.load(s_ptrs + g, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(z_ptrs + g, mask=mask, other=0).to(tl.float32)
+        else:
+            z = 8.0
+        return ((code - z) * s).to(dtype)
+    b = tl.load(w_ptrs + k[:, None] * stride_wk, mask=mask, other=0)
+    if W_FORMAT == 1:
+        b = b.to(tl.float8e4nv, bitcast=True)
+    return b.to(dtype)
+
+
+@triton.jit
+def fused_moe_kernel(
+    out_ptr, a_ptr, w_ptr, ws_ptr, wz_ptr, topk_w_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
+    N, K, num_valid, a_row_div, up_offset,
+    stride_am, stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, SWIGLU: tl.constexpr, MUL_ROUTED: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # grid: (m blocks upper bound * n blocks,), grouped-M order for weight-tile reuse in L2.
+    # out[id, n] for each sorted row id = sum_k a[id // a_row_div, k] * w[expert, n, k] (x2
+    # with SWIGLU, rows n and up_offset + n), times topk_w[id] with MUL_ROUTED.
+    # W_FORMAT: 0 float weights, 1 block-FP8 bytes, 2 packed INT4.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.num_programs(0) // num_pid_n
+    group = pid // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_pid_n)) // size_m
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    row_ok = ids < num_valid
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (ids // a_row_div)[:, None] * stride_am + offs_k[None, :]
+    w_base = w_ptr + expert * stride_we
+    s_base = ws_ptr + expert * stride_se
+    w_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn
+    s_ptrs = s_base + offs_n[None, :].to(tl.int64) * stride_sn
+    z_ptrs = wz_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
+    up = up_offset.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + offs_k < K
+        a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = _weight_tile(w_ptrs, s_ptrs, z_ptrs, offs_k, k0, k_ok, n_ok, stride_wk, stride_sk,
+                         W_FORMAT, GROUP_K, HAS_ZEROS, a.dtype)
+        part = _dot(a, b, DOT_F32)
+        if W_FORMAT == 1:  # one scale per (row, 128-column block): BLOCK_K divides 128
+            s = tl.load(s_base + offs_n.to(tl.int64) * stride_sn + (k0 // 128) * stride_sk,
+                        mask=n_ok, other=0.0)
+            part = part * s[None, :]
+        acc += part
+        if SWIGLU:
+            b = _weight_tile(w_ptrs + up * stride_wn, s_ptrs + up * stride_sn,
+                             z_ptrs + up * stride_sn, offs_k, k0, k_ok, n_ok, stride_wk,
+                             stride_sk, W_FORMAT, GROUP_K, HAS_ZEROS, a.dtype)
+            part = _dot(a, b, DOT_F32)
+            if W_FORMAT == 1:
+                s = tl.load(s_base + (up + offs_n.to(tl.int64)) * stride_sn
+                            + (k0 // 128) * stride_sk, mask=n_ok, other=0.0)
+                part = part * s[None, :]
+            acc_up += part
+    if SWIGLU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_ROUTED:
+        acc = acc * tl.load(topk_w_ptr + ids, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + ids[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
