@@ -153,6 +153,20 @@ def test_tied_router_scores_and_a_token_routed_twice_to_one_expert():
     _close(got, ref_fused_moe(x, w13, w2, w, twice), 1e-5, 1e-5)
 
 
+def test_deepseek_v3_grouped_sigmoid_routing_feeds_the_kernel_as_the_loop():
+    # noaux_tc: 4 groups of 4 experts, 2 groups compete, top-4 of 16, weights x 2.5 (not 1)
+    gen = torch.Generator().manual_seed(13)
+    cfg = RoutingConfig(16, 4, "sigmoid", True, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, correction_bias=True)
+    w13, w2 = _experts(gen)
+    x = torch.randn(9, HIDDEN, generator=gen)
+    weights, ids = select_experts(torch.randn(9, 16, generator=gen), cfg,
+                                  torch.randn(16, generator=gen) * 0.1)
+    assert torch.allclose(weights.sum(-1), torch.full((9,), 2.5))
+    got = _run(x, ExpertWeights(w13.to(DEVICE)), ExpertWeights(w2.to(DEVICE)), weights, ids)
+    _close(got, ref_fused_moe(x, w13, w2, weights, ids), 1e-5, 1e-5)
+
+
 def _fp8_experts(w: torch.Tensor) -> tuple[ExpertWeights, torch.Tensor]:
     """Block-FP8 as DeepSeek-V3 ships it (128x128 blocks), held per (row, column block) as
     tessera holds it in memory; and the weights it dequantizes to."""
