@@ -23,7 +23,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TESSERA_TRITON_NATIVE=1
 status=0
 echo "## kernel tests, native (TRITON_INTERPRET unset)"
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_paged_attention.py \
-    tests/kernels/test_triton_store_kv.py tests/kernels/test_triton_verify_pages.py || status=1
+    tests/kernels/test_triton_store_kv.py tests/kernels/test_triton_verify_pages.py \
+    tests/kernels/test_triton_fused_moe.py tests/kernels/test_triton_mla_decode.py || status=1
 echo
 timeout 240 "$PY" -m ops.bench.gpu_check "$@" || status=1
+timeout 180 "$PY" -m ops.bench.gpu_check_moe_mla "$@" || status=1
 exit $status
