@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
@@ -55,10 +56,10 @@ def moe_table(timer: Timer, sizes: dict, bw: float) -> None:
         logits = torch.randn(tokens, e, device=dev)
         topk_w, ids = logits.softmax(-1).topk(top_k)
         w13, w2 = weights["bf16"]
-        loop = timer(lambda: ref_fused_moe(x, w13.weight, w2.weight, topk_w, ids))
+        loop = timer(partial(ref_fused_moe, x, w13.weight, w2.weight, topk_w, ids))
         touched = int(ids.unique().numel())
         for kind, (w13, w2) in weights.items():
-            us = timer(lambda w13=w13, w2=w2: fused_moe(x, w13, w2, topk_w, ids))
+            us = timer(partial(fused_moe, x, w13, w2, topk_w, ids))
             moved = touched * 3 * hidden * inter * per_expert[kind]
             print(f"| {kind} | {tokens} | {us:.1f} | {loop:.1f} | {loop / us:.2f}x | "
                   f"{moved / us / 1e3:.0f} | {moved / (us * 1e-6) / bw:.0%} |")
@@ -92,8 +93,8 @@ def mla_table(timer: Timer, sizes: dict, bw: float) -> None:
                 if fmt == "fp8+bf16-rope":
                     extra["rope_cache"] = cache[..., lora:].view(torch.bfloat16)
             for splits in sorted({1, decode_num_splits(batch, 1, sms)}):
-                us = timer(lambda s=splits, c=cache, x=extra: mla_decode(
-                    q, c, table, lens, 192**-0.5, lora, num_splits=s, **x))
+                us = timer(partial(mla_decode, q, cache, table, lens, 192**-0.5, lora,
+                                   num_splits=splits, **extra))
                 moved = batch * context * per
                 print(f"| {fmt} | {batch} | {context} | {splits} | {us:.1f} | "
                       f"{moved / us / 1e3:.0f} | {moved / (us * 1e-6) / bw:.0%} |")
