@@ -80,10 +80,12 @@ def fused_moe_kernel(
     a_ptrs = a_ptr + (ids // a_row_div)[:, None] * stride_am + offs_k[None, :]
     w_base = w_ptr + expert * stride_we
     s_base = ws_ptr + expert * stride_se
-    w_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn
-    s_ptrs = s_base + offs_n[None, :].to(tl.int64) * stride_sn
-    z_ptrs = wz_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
-    up = up_offset.to(tl.int64)
+    rows = offs_n.to(tl.int64)
+    up_rows = (up_offset + offs_n).to(tl.int64)  # NOTE: scalar args may arrive as constexprs
+    z_base = wz_ptr + expert * stride_se
+    w_ptrs, w_up_ptrs = w_base + rows[None, :] * stride_wn, w_base + up_rows[None, :] * stride_wn
+    s_ptrs, s_up_ptrs = s_base + rows[None, :] * stride_sn, s_base + up_rows[None, :] * stride_sn
+    z_ptrs, z_up_ptrs = z_base + rows[None, :] * stride_sn, z_base + up_rows[None, :] * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -93,18 +95,17 @@ def fused_moe_kernel(
                          W_FORMAT, GROUP_K, HAS_ZEROS, a.dtype)
         part = _dot(a, b, DOT_F32)
         if W_FORMAT == 1:  # one scale per (row, 128-column block): BLOCK_K divides 128
-            s = tl.load(s_base + offs_n.to(tl.int64) * stride_sn + (k0 // 128) * stride_sk,
-                        mask=n_ok, other=0.0)
+            s = tl.load(s_base + rows * stride_sn + (k0 // 128) * stride_sk, mask=n_ok,
+                        other=0.0)
             part = part * s[None, :]
         acc += part
         if SWIGLU:
-            b = _weight_tile(w_ptrs + up * stride_wn, s_ptrs + up * stride_sn,
-                             z_ptrs + up * stride_sn, offs_k, k0, k_ok, n_ok, stride_wk,
-                             stride_sk, W_FORMAT, GROUP_K, HAS_ZEROS, a.dtype)
+            b = _weight_tile(w_up_ptrs, s_up_ptrs, z_up_ptrs, offs_k, k0, k_ok, n_ok,
+                             stride_wk, stride_sk, W_FORMAT, GROUP_K, HAS_ZEROS, a.dtype)
             part = _dot(a, b, DOT_F32)
             if W_FORMAT == 1:
-                s = tl.load(s_base + (up + offs_n.to(tl.int64)) * stride_sn
-                            + (k0 // 128) * stride_sk, mask=n_ok, other=0.0)
+                s = tl.load(s_base + up_rows * stride_sn + (k0 // 128) * stride_sk,
+                            mask=n_ok, other=0.0)
                 part = part * s[None, :]
             acc_up += part
     if SWIGLU:
