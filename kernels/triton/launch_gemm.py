@@ -20,7 +20,8 @@ from kernels.triton.gemm_ref import FP8_GROUP
 from kernels.triton.int4_layout import Int4Tiles
 
 MAX_SPLITS = 16
-MIN_GROUPS_PER_SPLIT = 4
+MIN_STEPS_PER_SPLIT = 2
+K_STEP = 128  # weights per W4A16 K-loop step: 64 bytes a row per step whatever the group
 _ACT = (torch.bfloat16, torch.float16)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -58,15 +59,17 @@ def w4a16_config(m: int) -> dict[str, int]:
     return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def w4a16_num_splits(m: int, n: int, num_groups: int, sms: int) -> int:
+def w4a16_num_splits(m: int, n: int, k: int, sms: int) -> int:
     """Split-K count: a power of two <= 16 giving ~2 programs per SM when the (m, n) tiles
-    alone would leave SMs idle, each split keeping >= 4 groups. Shapes only (graph safe);
-    the split changes fp32 summation order only, and a given shape always gets the same."""
+    alone would leave SMs idle, each split keeping >= 2 K steps (256 weights). Shapes only
+    (graph safe); the split changes fp32 summation order only, and a shape always gets the
+    same one."""
     cfg = w4a16_config(m)
     tiles = -(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+    steps = -(-k // K_STEP)
     splits = 1
     while (splits * 2 <= MAX_SPLITS and tiles * splits * 2 <= 2 * sms
-           and num_groups // (splits * 2) >= MIN_GROUPS_PER_SPLIT):
+           and steps // (splits * 2) >= MIN_STEPS_PER_SPLIT):
         splits *= 2
     return splits
 
@@ -85,9 +88,10 @@ def w4a16_linear(x: torch.Tensor, w: Int4Tiles, out_dtype: torch.dtype | None = 
                  workspace: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T over INT4 tiles. x: [..., K] bf16/fp16 (last dim contiguous); returns
     [..., N] in out_dtype (default x's; float32 allowed), written into `out` ([rows, N],
-    contiguous) when given. split_k: None picks `w4a16_num_splits`; > 1 writes fp32 partials
-    into `workspace` ([split_k, rows, N] float32 contiguous, else allocated) and reduces them
-    in split order. AssertionError on shapes or dtypes."""
+    contiguous) when given. split_k: None picks `w4a16_num_splits`; at most one split per
+    128-weight K step is used (fewer if they divide unevenly). More than one writes fp32
+    partials into `workspace` ([>= split_k, rows, N] float32 contiguous, else allocated) and
+    sums them in split order. AssertionError on shapes or dtypes."""
     w4a16 = _jit()[0]
     k, n = w.in_features, w.out_features
     assert x.shape[-1] == k and x.dtype in _ACT, (x.shape, x.dtype, k)
@@ -100,28 +104,29 @@ def w4a16_linear(x: torch.Tensor, w: Int4Tiles, out_dtype: torch.dtype | None = 
     x2 = x.reshape(-1, k)
     assert x2.stride(-1) == 1
     m = x2.shape[0]
-    num_groups = w.d.shape[0]
     y = _out_buffer(out, m, n, out_dtype, x.device)
     if m == 0:
         return y.view(*lead, n)
     cfg = w4a16_config(m)
-    splits = split_k or w4a16_num_splits(m, n, num_groups, num_sms(x.device))
-    per_split = -(-num_groups // splits)
-    splits = -(-num_groups // per_split)
+    step = max(K_STEP, w.group_size)
+    steps = -(-k // step)
+    splits = split_k or w4a16_num_splits(m, n, k, num_sms(x.device))
+    per_split = -(-steps // splits)
+    splits = -(-steps // per_split)
     target = y
     if splits > 1:
         if workspace is None:
             workspace = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-        assert workspace.shape == (splits, m, n) and workspace.dtype == torch.float32
-        assert workspace.is_contiguous()
-        target = workspace
+        assert workspace.shape[0] >= splits and workspace.shape[1:] == (m, n), workspace.shape
+        assert workspace.dtype == torch.float32 and workspace.is_contiguous()
+        workspace = target = workspace[:splits]
     grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]), splits)
     w4a16.w4a16_kernel[grid](
         target, x2, w.qt, w.d, w.offset if w.offset is not None else w.d,
-        m, n, k, num_groups, per_split,
+        m, n, k, w.d.shape[0], per_split,
         x2.stride(0), w.qt.stride(0), w.d.stride(0), n, m * n if splits > 1 else 0,
-        GROUP=w.group_size, OFFSET=w.offset_kind, SPLIT=splits > 1, DOT_F32=_interpreted(),
-        **cfg,
+        GROUP=w.group_size, STEP=step, OFFSET=w.offset_kind, SPLIT=splits > 1,
+        DOT_F32=_interpreted(), **cfg,
     )
     if splits > 1:
         block = 1024

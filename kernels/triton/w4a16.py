@@ -47,14 +47,16 @@ def _group_dot(a, w, DOT_F32: tl.constexpr):
 @triton.jit
 def w4a16_kernel(
     out_ptr, x_ptr, qt_ptr, d_ptr, off_ptr,
-    M, N, K, num_groups, groups_per_split,
+    M, N, K, num_groups, steps_per_split,
     stride_xm, stride_qk, stride_dg, stride_om, stride_os,
-    GROUP: tl.constexpr, OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    GROUP: tl.constexpr, STEP: tl.constexpr, OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    # grid: (m blocks x n blocks, splits). Split s covers groups [s * groups_per_split, ...)
-    # and, with SPLIT, writes fp32 partials out[s] (reduced by `reduce_splits_kernel`).
-    # OFFSET: 0 symmetric (z = 8), 1 uint8 zero points z, 2 an offset plane m (w = d*q + m).
+    # grid: (m blocks x n blocks, splits). The K loop steps STEP weights (STEP // GROUP whole
+    # groups, unrolled, so a g32 step still loads 64 bytes a row); split s covers steps
+    # [s * steps_per_split, ...) and, with SPLIT, writes fp32 partials out[s]
+    # (`reduce_splits_kernel` sums them). OFFSET: 0 symmetric (z = 8), 1 uint8 zero points z,
+    # 2 an offset plane m (w = d * q + m).
     pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -66,31 +68,35 @@ def w4a16_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     qt_cols = qt_ptr + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    g_start = split * groups_per_split
-    g_end = tl.minimum(g_start + groups_per_split, num_groups)
-    for g in range(g_start, g_end):
-        k = g * GROUP + k_lo
-        in_k = k < K  # a short last group (K % GROUP != 0, K % 32 == 0)
-        a_lo = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & in_k[None, :], other=0.0)
-        a_hi = tl.load(x_rows + k[None, :] + 16, mask=mask_m[:, None] & in_k[None, :],
-                       other=0.0)
-        byte_rows = (g * (GROUP // 2) + rows).to(tl.int64)
-        w = tl.load(qt_cols + byte_rows[:, None] * stride_qk,
-                    mask=in_k[:, None] & mask_n[None, :], other=0)
-        part = _group_dot(a_lo, w & 0xF, DOT_F32)
-        part += _group_dot(a_hi, w >> 4, DOT_F32)
-        a_sum = tl.sum(a_lo.to(tl.float32), axis=1) + tl.sum(a_hi.to(tl.float32), axis=1)
-        d = tl.load(d_ptr + g * stride_dg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if OFFSET == 2:
-            m = tl.load(off_ptr + g * stride_dg + offs_n, mask=mask_n, other=0.0)
-            acc += part * d[None, :] + a_sum[:, None] * m.to(tl.float32)[None, :]
-        else:
-            if OFFSET == 1:
-                z = tl.load(off_ptr + g * stride_dg + offs_n, mask=mask_n, other=0)
-                z = z.to(tl.float32)
+    s_start = split * steps_per_split
+    s_end = tl.minimum(s_start + steps_per_split, tl.cdiv(K, STEP))
+    for step in range(s_start, s_end):
+        for i in tl.static_range(STEP // GROUP):
+            g = step * (STEP // GROUP) + i
+            k = g * GROUP + k_lo
+            in_k = k < K  # the K tail, and a short last group (K % GROUP != 0, K % 32 == 0)
+            a_mask = mask_m[:, None] & in_k[None, :]
+            a_lo = tl.load(x_rows + k[None, :], mask=a_mask, other=0.0)
+            a_hi = tl.load(x_rows + k[None, :] + 16, mask=a_mask, other=0.0)
+            byte_rows = (g * (GROUP // 2) + rows).to(tl.int64)
+            w = tl.load(qt_cols + byte_rows[:, None] * stride_qk,
+                        mask=in_k[:, None] & mask_n[None, :], other=0)
+            part = _group_dot(a_lo, w & 0xF, DOT_F32)
+            part += _group_dot(a_hi, w >> 4, DOT_F32)
+            a_sum = tl.sum(a_lo.to(tl.float32), axis=1) + tl.sum(a_hi.to(tl.float32), axis=1)
+            # NOTE: a vector compare: `mask_n & (g < num_groups)` fails in the interpreter
+            g_mask = mask_n & (offs_n * 0 + g < num_groups)
+            d = tl.load(d_ptr + g * stride_dg + offs_n, mask=g_mask, other=0.0).to(tl.float32)
+            if OFFSET == 2:
+                m = tl.load(off_ptr + g * stride_dg + offs_n, mask=g_mask, other=0.0)
+                acc += part * d[None, :] + a_sum[:, None] * m.to(tl.float32)[None, :]
             else:
-                z = tl.full((BLOCK_N,), 8.0, tl.float32)
-            acc += (part - a_sum[:, None] * z[None, :]) * d[None, :]
+                if OFFSET == 1:
+                    z = tl.load(off_ptr + g * stride_dg + offs_n, mask=g_mask, other=0)
+                    z = z.to(tl.float32)
+                else:
+                    z = tl.full((BLOCK_N,), 8.0, tl.float32)
+                acc += (part - a_sum[:, None] * z[None, :]) * d[None, :]
     out = out_ptr + split * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:

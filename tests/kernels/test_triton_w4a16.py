@@ -109,7 +109,7 @@ def test_split_k_changes_only_summation_order_and_is_deterministic(weights):
     x = torch.randn(3, K, device=DEVICE).bfloat16()
     ref = x.float().cpu() @ ref_w.t()
     one = launch_gemm.w4a16_linear(x, tiles, torch.float32, split_k=1)
-    for splits in (2, 3, 11):  # 3: uneven groups per split (11 = 4 + 4 + 3)
+    for splits in (2, 3, 8):  # K is 3 steps of 128: 2 splits them 2 + 1; 8 uses 3
         work = torch.full((splits, 3, N), float("nan"), device=DEVICE)
         y = launch_gemm.w4a16_linear(x, tiles, torch.float32, split_k=splits, workspace=work)
         again = launch_gemm.w4a16_linear(x, tiles, torch.float32, split_k=splits)
@@ -129,11 +129,12 @@ def test_leading_dims_are_kept_and_zero_rows_launch_nothing(weights):
 
 
 def test_split_count_is_chosen_from_shapes_for_decode_buckets():
-    # H200 (132 SMs), g32: the Kimi/GLM shapes split K; a prefill-sized M never does
-    assert launch_gemm.w4a16_num_splits(1, 2048, 7168 // 32, 132) == 16
-    assert launch_gemm.w4a16_num_splits(16, 7168, 2048 // 32, 132) == 4
-    assert launch_gemm.w4a16_num_splits(32, 7168, 2048 // 128, 132) == 4
-    assert launch_gemm.w4a16_num_splits(1024, 7168, 2048 // 32, 132) == 1
+    # H200 (132 SMs): the Kimi/GLM shapes split K at decode; a prefill-sized M never does
+    assert launch_gemm.w4a16_num_splits(1, 2048, 7168, 132) == 16
+    assert launch_gemm.w4a16_num_splits(16, 7168, 2048, 132) == 4
+    assert launch_gemm.w4a16_num_splits(32, 7168, 2048, 132) == 4
+    assert launch_gemm.w4a16_num_splits(1024, 7168, 2048, 132) == 1
+    assert launch_gemm.w4a16_num_splits(1, 2048, 256, 132) == 1  # 2 K steps: nothing to split
 
 
 def test_layouts_the_kernel_cannot_read_are_refused_at_repack():
