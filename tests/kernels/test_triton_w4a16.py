@@ -94,13 +94,14 @@ def test_matches_the_dequantized_reference_for_every_row_count(weights, rows):
         assert _rel(y.cpu(), ref) < 1e-3, (name, rows, _rel(y.cpu(), ref))
 
 
-def test_bf16_output_is_the_reference_rounded_to_bf16(weights):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_output_is_the_reference_rounded_to_it(weights, dtype):
     # a bf16 output alone is ~1.4e-3 from an fp32 reference: compare with the rounded one
     tiles, ref_w = weights["int4-g128-zeros"]
-    x = torch.randn(5, K).bfloat16()
+    x = torch.randn(5, K).to(dtype)
     y = launch_gemm.w4a16_linear(x.to(DEVICE), tiles).cpu()
-    assert y.dtype == torch.bfloat16 and y.shape == (5, N)
-    ref = (x.float() @ ref_w.t()).bfloat16().float()
+    assert y.dtype == dtype and y.shape == (5, N)
+    ref = (x.float() @ ref_w.t()).to(dtype).float()
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-6)
 
 
