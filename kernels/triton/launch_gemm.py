@@ -24,6 +24,9 @@ MIN_STEPS_PER_SPLIT = 2
 K_STEP = 128  # weights per W4A16 K-loop step: 64 bytes a row per step whatever the group
 _ACT = (torch.bfloat16, torch.float16)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
+# codes as half floats by bit pattern (w4a16.py `_group_dot`)
+_CODE_BIAS = {torch.bfloat16: dict(MAGIC=0x4300, UNBIAS=0.0, BIAS=128.0),
+              torch.float16: dict(MAGIC=0x6400, UNBIAS=1024.0, BIAS=0.0)}
 
 
 def _jit() -> Any:
@@ -125,7 +128,8 @@ def w4a16_linear(x: torch.Tensor, w: Int4Tiles, out_dtype: torch.dtype | None = 
         target, x2, w.qt, w.d, w.offset if w.offset is not None else w.d,
         m, n, k, w.d.shape[0], per_split,
         x2.stride(0), w.qt.stride(0), w.d.stride(0), n, m * n if splits > 1 else 0,
-        GROUP=w.group_size, STEP=step, OFFSET=w.offset_kind, SPLIT=splits > 1,
+        GROUP=w.group_size, STEP=step, OFFSET=w.offset_kind, **_CODE_BIAS[x.dtype],
+        SPLIT=splits > 1,
         DOT_F32=_interpreted(), **cfg,
     )
     if splits > 1:

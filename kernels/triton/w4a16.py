@@ -9,10 +9,10 @@ order of `kernels/qgemv.py`, transposed); `d` [ceil(K/GROUP), N] scales, `z` uin
 or `m` offsets of the same shape. A group's codes are GROUP/2 rows of N contiguous bytes, so
 a tile of any width loads in whole 32-byte sectors.
 
-Exactness: codes 0..15 are exact in bf16 and their products with bf16 activations exact in
-fp32, so each group's dot is exact up to fp32 summation; the scale and offset are applied to
-the group's fp32 partial sums (w = d * (q - z): y += d * (sum a*q - z * sum a)), never rounded
-into a bf16 weight. Launchers: `kernels/triton/launch_gemm.py`.
+Exactness: codes (biased, see `_group_dot`) are exact in bf16 / fp16 and their products with
+the activations exact in fp32, so each group's dot is exact up to fp32 summation; the scale
+and offset are applied to the group's fp32 partial sums (w = d * (q - z): y += d * (sum a*q -
+z * sum a)), never rounded into a bf16 weight. Launchers: `kernels/triton/launch_gemm.py`.
 """
 
 from __future__ import annotations
@@ -35,13 +35,20 @@ def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.c
 
 
 @triton.jit
-def _group_dot(a, w, DOT_F32: tl.constexpr):
-    """a [BM, k] activations @ w [k, BN] codes 0..15 -> fp32 (exact products). DOT_F32 (the
+def _group_dot(a, nibbles, MAGIC: tl.constexpr, UNBIAS: tl.constexpr, DOT_F32: tl.constexpr):
+    """a [BM, k] activations @ (codes + bias) [k, BN] -> fp32, exact products. The codes become
+    half floats by bit pattern, not conversion (as Marlin's dequant does, no cvt instructions):
+    MAGIC | q reads as 128 + q in bf16 (0x4300) or 1024 + q in fp16 (0x6400). fp16 subtracts
+    UNBIAS = 1024 here (exact); bf16 keeps the 128 (UNBIAS 0) and the caller subtracts
+    128 * sum(a) from the fp32 result, which loses ~4 of fp32's 24 bits. DOT_F32 (the
     interpreter only): operands widened to fp32, because triton's interpreter multiplies bf16
     operands' raw bits (see `_dot` in paged_attention.py); the products are the same."""
+    w = (nibbles.to(tl.uint16) | MAGIC).to(a.dtype, bitcast=True)
+    if UNBIAS != 0:
+        w = w - UNBIAS
     if DOT_F32:
         return tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, w.to(tl.float32).to(a.dtype))
+    return tl.dot(a, w)
 
 
 @triton.jit
@@ -49,14 +56,16 @@ def w4a16_kernel(
     out_ptr, x_ptr, qt_ptr, d_ptr, off_ptr,
     M, N, K, num_groups, steps_per_split,
     stride_xm, stride_qk, stride_dg, stride_om, stride_os,
-    GROUP: tl.constexpr, STEP: tl.constexpr, OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    GROUP: tl.constexpr, STEP: tl.constexpr, OFFSET: tl.constexpr, MAGIC: tl.constexpr,
+    UNBIAS: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # grid: (m blocks x n blocks, splits). The K loop steps STEP weights (STEP // GROUP whole
     # groups, unrolled, so a g32 step still loads 64 bytes a row); split s covers steps
     # [s * steps_per_split, ...) and, with SPLIT, writes fp32 partials out[s]
     # (`reduce_splits_kernel` sums them). OFFSET: 0 symmetric (z = 8), 1 uint8 zero points z,
-    # 2 an offset plane m (w = d * q + m).
+    # 2 an offset plane m (w = d * q + m). MAGIC, UNBIAS: see `_group_dot`;
+    # BIAS: what the dot's codes still carry (128 for bf16, 0 for fp16).
     pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -81,21 +90,23 @@ def w4a16_kernel(
             byte_rows = (g * (GROUP // 2) + rows).to(tl.int64)
             w = tl.load(qt_cols + byte_rows[:, None] * stride_qk,
                         mask=in_k[:, None] & mask_n[None, :], other=0)
-            part = _group_dot(a_lo, w & 0xF, DOT_F32)
-            part += _group_dot(a_hi, w >> 4, DOT_F32)
+            part = _group_dot(a_lo, w & 0xF, MAGIC, UNBIAS, DOT_F32)
+            part += _group_dot(a_hi, w >> 4, MAGIC, UNBIAS, DOT_F32)
             a_sum = tl.sum(a_lo.to(tl.float32), axis=1) + tl.sum(a_hi.to(tl.float32), axis=1)
             # NOTE: a vector compare: `mask_n & (g < num_groups)` fails in the interpreter
             g_mask = mask_n & (offs_n * 0 + g < num_groups)
             d = tl.load(d_ptr + g * stride_dg + offs_n, mask=g_mask, other=0.0).to(tl.float32)
+            # BIAS folded into the per-column offset: one [BM, BN] multiply-add per group
             if OFFSET == 2:
                 m = tl.load(off_ptr + g * stride_dg + offs_n, mask=g_mask, other=0.0)
-                acc += part * d[None, :] + a_sum[:, None] * m.to(tl.float32)[None, :]
+                m = m.to(tl.float32) - BIAS * d
+                acc += part * d[None, :] + a_sum[:, None] * m[None, :]
             else:
                 if OFFSET == 1:
                     z = tl.load(off_ptr + g * stride_dg + offs_n, mask=g_mask, other=0)
-                    z = z.to(tl.float32)
+                    z = z.to(tl.float32) + BIAS
                 else:
-                    z = tl.full((BLOCK_N,), 8.0, tl.float32)
+                    z = tl.full((BLOCK_N,), 8.0 + BIAS, tl.float32)
                 acc += (part - a_sum[:, None] * z[None, :]) * d[None, :]
     out = out_ptr + split * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]

@@ -34,15 +34,17 @@ def _build(fn, signature: dict[str, str], constexprs: dict[str, object], warps: 
                    target=TARGET, options={"num_warps": warps, "num_stages": stages})
 
 
-def _w4a16(m: int, group: int, offset: int, split: bool, scale: str) -> None:
+def _w4a16(m: int, group: int, offset: int, split: bool, scale: str, act: str = "*bf16") -> None:
     cfg = dict(w4a16_config(m))
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     ints = ["M", "N", "K", "num_groups", "steps_per_split", "stride_xm", "stride_qk",
             "stride_dg", "stride_om", "stride_os"]
-    sig = {"out_ptr": "*fp32" if split else "*bf16", "x_ptr": "*bf16", "qt_ptr": "*u8",
+    sig = {"out_ptr": "*fp32" if split else act, "x_ptr": act, "qt_ptr": "*u8",
            "d_ptr": scale, "off_ptr": {0: scale, 1: "*u8", 2: scale}[offset],
            **{n: "i32" for n in ints}}
-    kernel = _build(w4a16.w4a16_kernel, sig, dict(GROUP=group, STEP=128, OFFSET=offset,
+    bias = (dict(MAGIC=0x4300, UNBIAS=0.0, BIAS=128.0) if act == "*bf16"
+            else dict(MAGIC=0x6400, UNBIAS=1024.0, BIAS=0.0))  # launch_gemm._CODE_BIAS
+    kernel = _build(w4a16.w4a16_kernel, sig, dict(GROUP=group, STEP=128, OFFSET=offset, **bias,
                                                   SPLIT=split, DOT_F32=False, **cfg),
                     warps, stages)
     assert "cp.async" in kernel.asm["ptx"], ("w4a16 K loop not pipelined", m, group)
@@ -53,6 +55,8 @@ def main() -> int:
         for group, offset, scale in ((32, 0, "*bf16"), (128, 1, "*bf16"), (32, 2, "*fp16")):
             _w4a16(m, group, offset, m <= 64, scale)
             print("ok w4a16", m, group, offset, scale, flush=True)
+    _w4a16(1, 128, 1, True, "*bf16", act="*fp16")
+    print("ok w4a16 fp16 activations", flush=True)
     _build(w4a16.reduce_splits_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32",
                                         "num_splits": "i32", "MN": "i32"}, dict(BLOCK=1024), 4)
     print("ok reduce_splits", flush=True)
