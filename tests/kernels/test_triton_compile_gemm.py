@@ -1,0 +1,32 @@
+"""Every variant of the Triton matmuls (W4A16 at each row bucket and offset kind, block-FP8 with
+both scale forms, the FP8 quantizer, the split reduce) compiles for sm_90 on this CPU-only
+machine (tests/kernels/triton_compile_gemm_sm90.py in a subprocess without TRITON_INTERPRET),
+with its K loops software-pipelined (cp.async stages) and the FP8 dot on wgmma."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# NOTE: not importorskip: triton must not be imported in this process before the interpreter
+# tests set TRITON_INTERPRET (tests/kernels/triton_pools.py)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (the test extra installs it)")
+
+SCRIPT = Path(__file__).with_name("triton_compile_gemm_sm90.py")
+
+
+def test_every_matmul_variant_compiles_to_a_pipelined_sm90_cubin(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[2])
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.count("ok ") == 23
