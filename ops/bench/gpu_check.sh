@@ -22,10 +22,13 @@ unset TRITON_INTERPRET
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TESSERA_TRITON_NATIVE=1
 status=0
 echo "## kernel tests, native (TRITON_INTERPRET unset)"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_paged_attention.py \
+# budgets sum to 7.5 minutes, so one run fits a 10-minute device call with room to spare
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_paged_attention.py \
     tests/kernels/test_triton_store_kv.py tests/kernels/test_triton_verify_pages.py \
-    tests/kernels/test_triton_fused_moe.py tests/kernels/test_triton_mla_decode.py || status=1
+    tests/kernels/test_triton_fused_moe.py tests/kernels/test_triton_mla_decode.py \
+    tests/kernels/test_triton_w4a16.py tests/kernels/test_triton_fp8_block.py || status=1
 echo
-timeout 240 "$PY" -m ops.bench.gpu_check "$@" || status=1
-timeout 180 "$PY" -m ops.bench.gpu_check_moe_mla "$@" || status=1
+timeout 120 "$PY" -m ops.bench.gpu_check "$@" || status=1
+timeout 90 "$PY" -m ops.bench.gpu_check_gemm "$@" || status=1
+timeout 90 "$PY" -m ops.bench.gpu_check_moe_mla "$@" || status=1
 exit $status
