@@ -20,6 +20,7 @@ from gateway import metrics
 from gateway.errors import DeadlineExceeded, Overloaded, TenantConcurrencyExceeded, WorkerLost
 from gateway.fairness import NO_LIMITS, FairQueue, TenantLimits, Ticket
 from gateway.logs import get_logger
+from gateway.readiness import ReadinessListener
 from gateway.router import Router
 from gateway.start_failures import StartFailures
 from gateway.template import WorkerTemplate, uses_template
@@ -120,6 +121,7 @@ class WorkerPool:
         self._maintainer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._template: WorkerTemplate | None = None
+        self._readiness: ReadinessListener | None = None
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -303,6 +305,8 @@ class WorkerPool:
         wid = f"{self.config.pool_label.replace('/', '-')}-{self._seq}"
         if self._run_dir is None:
             self._run_dir = tempfile.mkdtemp(prefix="tessera-")
+        if self._readiness is None:
+            self._readiness = ReadinessListener(os.path.join(self._run_dir, "ready.sock"))
         worker = WorkerHandle(wid, os.path.join(self._run_dir, f"w{self._seq}.sock"),
                               self.config.max_inflight)
         self.workers[wid] = worker
@@ -319,6 +323,8 @@ class WorkerPool:
                "--worker-id", worker.id, "--served-model-name", self.config.model_id,
                "--max-num-seqs", str(self.config.max_inflight),
                "--worker-threads", str(self.threads_per_worker)]
+        if self._readiness is not None:
+            cmd += ["--ready-socket", self._readiness.path]
         if self.config.kv_cache_bytes is not None:
             cmd += ["--kv-cache-bytes", str(self.config.kv_cache_bytes)]
         if self.config.model_path is not None:
@@ -336,12 +342,16 @@ class WorkerPool:
     async def _run(self, worker: WorkerHandle) -> None:
         """Start one worker, wait for health, then watch it until it exits."""
         start = None if self._template is None else self._template.start_worker
+        assert self._readiness is not None
+        ready = self._readiness.expect(worker.id)
         try:
             await worker.launch(self._command(worker), self._worker_env(),
-                                self.config.start_timeout_s, start)
+                                self.config.start_timeout_s, ready, start)
         except Exception as e:
             if worker.state == "starting":  # not stopped by a drain or close meanwhile
                 await self._start_failed(worker, str(e))
+        finally:
+            self._readiness.forget(worker.id)
         if worker.state == "ready":
             self.start_failures.record_ready()
             self.stats.cold_starts_s.append(worker.cold_start_s)
@@ -454,5 +464,7 @@ class WorkerPool:
         await self._notify()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)
+        if self._readiness is not None:
+            self._readiness.close()
         if self._own_run_dir and self._run_dir is not None:
             shutil.rmtree(self._run_dir, ignore_errors=True)

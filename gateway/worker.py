@@ -26,6 +26,7 @@ from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import to_status
 from gateway.logs import configure, get_logger
+from gateway.readiness import notify_ready
 from gateway.transfer import CHANNEL_OPTIONS, ROLES, TRANSPORTS, TransferService, transfer_stats
 from runtime.async_engine import AsyncLLM
 from runtime.candidates import generate_candidates
@@ -241,6 +242,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--socket", required=True, help="unix socket path to listen on")
     p.add_argument("--worker-id", default=None, help="name in logs and metrics "
                    "(default: worker-PID)")
+    p.add_argument("--ready-socket", default=None,
+                   help="a unix datagram socket told once this worker serves (the gateway's)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients use (the gateway passes its pool's id)")
     add_engine_flags(p)
@@ -292,6 +295,8 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None) 
     await server.start()
     log.info("worker serving", worker=worker_id, socket=args.socket, model=served.model,
              revision=served.revision, pid=os.getpid())
+    if args.ready_socket:
+        notify_ready(args.ready_socket, worker_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
