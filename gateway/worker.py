@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import select
 import signal
@@ -275,7 +276,11 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None) 
 
     worker_id = args.worker_id or f"worker-{os.getpid()}"
     started = time.monotonic()
-    engine = LLMEngine(checkpoint or open_checkpoint(args.model), engine_config(args))
+    # NOTE: unseeded requests draw from the engine's default generator; a fixed seed would give
+    # every worker (forked from one template or spawned) the same unseeded samples.
+    config = dataclasses.replace(engine_config(args),
+                                 seed=int.from_bytes(os.urandom(8), "little") >> 1)
+    engine = LLMEngine(checkpoint or open_checkpoint(args.model), config)
     engine_s = time.monotonic() - started
     # NOTE: before the socket exists, so the gateway never routes to a worker that would pay
     # a native build or a first-use cost on a client's request.

@@ -102,6 +102,12 @@ def test_forked_workers_sample_alike_with_one_seed(forked_pair: GatewayRunner) -
     assert _direct(forked_pair, first, seed=99) != a  # the seed is what made them equal
 
 
+def test_forked_workers_sample_differently_without_a_seed(forked_pair: GatewayRunner) -> None:
+    first, second = forked_pair.gateway.pools[MODEL].ready()
+    a, b = _direct(forked_pair, first, seed=None), _direct(forked_pair, second, seed=None)
+    assert len(a) == len(b) == 12 and a != b
+
+
 def test_forks_draw_different_numbers_without_a_seed() -> None:
     """reseed(), as every forked worker runs it first: random, numpy and torch's global
     generators copied by fork draw differently in two children (and differently from the
