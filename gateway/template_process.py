@@ -68,26 +68,29 @@ class Template:
 
         args = parse_args(self.worker_argv)
         config = engine_config(args)
-        self.checkpoint = open_checkpoint(args.model)
-        self.key = _source_stamp(self.checkpoint.path)
+        checkpoint = open_checkpoint(args.model)
         from runtime.models import model_class
 
-        model_class(self.checkpoint.config)  # its architecture's module, imported once here
+        model_class(checkpoint.config)  # its architecture's module, imported once here
         t = self._mark("checkpoint", t)
         from runtime.grammar import llguidance_tokenizer
 
-        cfg = self.checkpoint.config
-        llguidance_tokenizer(self.checkpoint.tokenizer, cfg.vocab_size,
+        cfg = checkpoint.config
+        llguidance_tokenizer(checkpoint.tokenizer, cfg.vocab_size,
                              sorted(set(cfg.eos_token_ids)))
         t = self._mark("grammar_tokenizer", t)
         from runtime.loader.gguf_loader import GGUFCheckpoint
 
         if (config.mapped_weights and config.gguf_weights != "dequantize"
-                and isinstance(self.checkpoint, GGUFCheckpoint)):
+                and isinstance(checkpoint, GGUFCheckpoint)):
             from runtime.loader.mapped_gguf import checkpoint_mapping
 
-            checkpoint_mapping(self.checkpoint).prefault()
+            checkpoint_mapping(checkpoint).prefault()
         self._mark("map_weights", t)
+        # NOTE: swapped in whole, once loaded: a failed reload keeps the previous model, and the
+        # next fork tries again. The key is the opened file's: a rename over the path since
+        # the open makes the next fork reload.
+        self.checkpoint, self.key = checkpoint, _opened_stamp(checkpoint)
 
     def fork(self, argv: list[str]) -> int:
         """A worker for `argv` (gateway.worker's): its pid. A replaced model file is opened
@@ -109,6 +112,15 @@ class Template:
 
 def _source_stamp(path: Path) -> tuple[int, int, int]:
     st = path.stat() if path.is_file() else (path / "config.json").stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _opened_stamp(checkpoint: Any) -> tuple[int, int, int]:
+    """The stamp of the file `checkpoint` reads (a GGUF's open file), else of its path."""
+    source_stat = getattr(checkpoint, "source_stat", None)
+    if source_stat is None:
+        return _source_stamp(checkpoint.path)
+    st = source_stat()
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 

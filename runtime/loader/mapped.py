@@ -24,7 +24,7 @@ import os
 import struct
 import tempfile
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,10 +51,11 @@ def cache_dir() -> Path:
     return Path(base) / "tessera" / "mapped"
 
 
-def source_key(source: Path, fmt: str) -> dict[str, Any]:
-    """What the mapped file was made from: the source's real path, size and mtime (ns), the
-    format it serves and this code's version. A replaced source changes the key."""
-    st = source.stat()
+def source_key(source: Path, fmt: str, st: os.stat_result | None = None) -> dict[str, Any]:
+    """What the mapped file was made from: the source's real path, size and mtime (ns) (of
+    `st`, the file actually read, else of what the path names), the format it serves and this
+    code's version. A replaced source changes the key."""
+    st = source.stat() if st is None else st
     return {"source": str(source.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "format": fmt, "version": CODE_VERSION}
 
@@ -173,11 +174,14 @@ class MappedWeights:
             self.mapping.madvise(mmap.MADV_WILLNEED)
 
 
-def open_or_make(source: Path, fmt: str, make: Any,
-                 folder: Path | None = None) -> MappedWeights:
+def open_or_make(source: Path, fmt: str, make: Any, folder: Path | None = None,
+                 stat: Callable[[], os.stat_result] | None = None) -> MappedWeights:
     """The mapped file for (`source`, `fmt`), made by `make() -> (tensors, meta)` and written
-    first if no valid one exists (a stale or torn one is never used: it is remade)."""
-    key = source_key(source, fmt)
+    first if no valid one exists (a stale or torn one is never used: it is remade). `stat`:
+    the stat of the file `make` reads (an open checkpoint's), when the path may since name
+    another; the key is its, so old weights never sit under a new file's key."""
+    stat = stat or source.stat
+    key = source_key(source, fmt, stat())
     path = cache_path(key, folder)
     if path.exists():
         try:
@@ -185,7 +189,7 @@ def open_or_make(source: Path, fmt: str, make: Any,
         except ModelLoadError:
             pass  # made by another version or damaged: remade below, atomically
     tensors, meta = make()
-    if source_key(source, fmt) != key:  # replaced while it was read: what was read may mix
+    if source_key(source, fmt, stat()) != key:  # written while it was read: it may mix
         raise ModelLoadError(f"{source} changed while it was converted; load it again",
                              path=source)
     write_mapped(path, key, tensors, meta)

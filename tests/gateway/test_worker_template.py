@@ -23,6 +23,7 @@ from gateway.runner import GatewayRunner
 from gateway.template import ForkedProcess
 from gateway.template_process import reseed
 from tests.gateway.conftest import KEYS, MODEL, api_keys, pool_config, wait_for
+from tests.helpers import perturbed_model_copy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -190,21 +191,6 @@ def test_template_death_falls_back_to_spawning_and_leaves_workers_serving(
         runner.stop()
 
 
-def _perturbed_copy(source: Path, target: Path) -> None:
-    """`source` with its final norm's weights reversed: another model, same size."""
-    from gguf import GGUFReader
-
-    shutil.copyfile(source, target)
-    reader = GGUFReader(str(target))
-    tensor = next(t for t in reader.tensors if t.name == "output_norm.weight")
-    weights = np.array(tensor.data, dtype=np.float32)[::-1].copy()
-    offset = tensor.data_offset
-    del reader
-    with open(target, "r+b") as f:
-        f.seek(offset)
-        f.write(weights.tobytes())
-
-
 def test_a_model_replaced_under_the_template_is_served_by_the_next_worker(
         tmp_path: Path, default_model_path: Path) -> None:
     model = tmp_path / "model.gguf"
@@ -217,7 +203,7 @@ def test_a_model_replaced_under_the_template_is_served_by_the_next_worker(
         pool = runner.gateway.pools[MODEL]
         before = _greedy(runner)
         staged = tmp_path / "model.gguf.new"
-        _perturbed_copy(default_model_path, staged)
+        perturbed_model_copy(default_model_path, staged)
         os.replace(staged, model)  # atomically, as a deployment replaces a model
         wait_for(lambda: not pool.live(), 60, "the pool at zero")
         after = _greedy(runner)
