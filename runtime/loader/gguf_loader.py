@@ -66,6 +66,11 @@ class GGUFCheckpoint(Checkpoint):
         ckpt.reader, ckpt.source = reader, source
         return ckpt
 
+    def populate_pages(self) -> None:
+        mapped = getattr(self, "mapped", None)  # runtime/loader/mapped_gguf.py: its mapped copy
+        if mapped is not None:
+            mapped.populate()
+
     def source_stat(self) -> os.stat_result:
         """The stat of the file this checkpoint reads (not of what its path names now)."""
         return os.fstat(self.source.fileno())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.errors import WorkerLost
-from gateway.readiness import ReadinessListener
+from gateway.readiness import Readiness, ReadinessListener, start_phases
 from gateway.worker_handle import WorkerHandle
 
 
@@ -31,7 +31,7 @@ def test_the_expected_worker_s_message_resolves_to_its_pid(tmp_path: Path) -> No
             proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code,
                                                         stdout=subprocess.PIPE)
             out, _ = await proc.communicate()
-            return await asyncio.wait_for(ready, 10), int(out)
+            return (await asyncio.wait_for(ready, 10)).pid, int(out)
         finally:
             listener.close()
 
@@ -65,9 +65,9 @@ def _launch(tmp_path: Path, code: str, reported_pid: int | None,
         return await asyncio.create_subprocess_exec(sys.executable, "-c", code)
 
     async def run() -> None:
-        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        ready: asyncio.Future[Readiness] = asyncio.get_running_loop().create_future()
         if reported_pid is not None:
-            ready.set_result(reported_pid)
+            ready.set_result(Readiness(reported_pid))
         try:
             await handle.launch([], {}, timeout_s, ready, start)
         finally:
@@ -91,3 +91,12 @@ def test_a_worker_that_exits_before_reporting_fails_its_start(tmp_path: Path) ->
 def test_a_worker_that_never_reports_is_killed_at_its_start_timeout(tmp_path: Path) -> None:
     with pytest.raises(WorkerLost, match="did not report ready"):
         _launch(tmp_path, "import time; time.sleep(60)", reported_pid=None, timeout_s=0.5)
+
+
+def test_start_phases_are_the_gaps_between_the_marks_in_order() -> None:
+    marks = {"warm_up": 10.5, "main": 10.1, "engine": 10.3, "serve": 10.6}
+    phases = start_phases(10.0, 10.05, marks, 10.65)
+    assert list(phases) == ["process", "main", "engine", "warm_up", "serve", "ready"]
+    assert phases == pytest.approx({"process": 0.05, "main": 0.05, "engine": 0.2,
+                                    "warm_up": 0.2, "serve": 0.1, "ready": 0.05})
+    assert sum(phases.values()) == pytest.approx(0.65)
