@@ -20,6 +20,10 @@ class Slots(Protocol):
     @property
     def closed(self) -> bool: ...
 
+    @property
+    def max_queue(self) -> int:
+        """Requests that may wait, all tenants (read at each admission: it may change)."""
+
     def check_startable(self) -> None:
         """Raise (WORKER_START_FAILED) when no worker can serve nor start."""
 
@@ -31,11 +35,10 @@ class Slots(Protocol):
 
 
 class Admission:
-    """The wait queue of one pool (`model`: its label in metrics), `max_queue` requests long."""
+    """The wait queue of one pool (`model`: its label in metrics)."""
 
-    def __init__(self, model: str, max_queue: int) -> None:
+    def __init__(self, model: str) -> None:
         self.model = model
-        self.max_queue = max_queue
         self.queue = FairQueue()
         self.waiting = 0  # requests that could not start at once, all tenants
         self.changed = asyncio.Condition()
@@ -64,7 +67,7 @@ class Admission:
                             return worker
                     slots.wake()
                     if not queued:
-                        self._check_room(ticket)
+                        self._check_room(ticket, slots.max_queue)
                         queued = True
                         self._set_waiting(+1, tenant)
                     left = deadline - time.monotonic()
@@ -100,14 +103,14 @@ class Admission:
         if change > 0:
             self.tenant_gauges(tenant)
 
-    def _check_room(self, ticket: Ticket) -> None:
+    def _check_room(self, ticket: Ticket, max_queue: int) -> None:
         """A request that must wait: refused past its tenant's queue bound, then the pool's."""
         try:
             self.queue.must_wait(ticket, self.model)
         except TenantConcurrencyExceeded as e:
             metrics.TENANT_REFUSED.labels(self.model, ticket.tenant, e.reason).inc()
             raise
-        if self.waiting >= self.max_queue:
+        if self.waiting >= max_queue:
             metrics.REJECTED.labels(self.model).inc()
             metrics.TENANT_REFUSED.labels(self.model, ticket.tenant, Overloaded.reason).inc()
             raise Overloaded(f"model {self.model!r} is at capacity; retry shortly",

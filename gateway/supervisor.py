@@ -41,7 +41,7 @@ class WorkerPool:
         self.workers: dict[str, WorkerHandle] = {}
         self.stats = PoolStats()
         self.start_failures = StartFailures(config.pool_label, config.max_start_failures)
-        self.admission = Admission(config.pool_label, config.max_queue)
+        self.admission = Admission(config.pool_label)
         self._seq = 0
         self._consecutive_crashes = 0
         self._next_spawn_at = 0.0
@@ -81,6 +81,10 @@ class WorkerPool:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def max_queue(self) -> int:
+        return self.config.max_queue
 
     async def acquire(self, session: str | None = None, prefix_key: str | None = None,
                       timeout_s: float | None = None, *, tenant: str = "",
