@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -23,18 +22,28 @@ from gateway._proto.tessera.v1 import gateway_pb2 as pb
 from gateway._proto.tessera.v1 import gateway_pb2_grpc
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway.auth import ApiKeys, Tenant
-from gateway.errors import Unavailable, WorkerLost, from_rpc_error, to_status
+from gateway.errors import Unavailable, to_status
 from gateway.fairness import NO_LIMITS, TenantLimits
 from gateway.interceptors import MalformedRequestInterceptor
 from gateway.logs import get_logger
 from gateway.ports import GRPC_EXCLUSIVE, PortInUse
+from gateway.relay import (
+    MAX_TRANSPARENT_RETRIES,
+    PREFIX_CHARS,
+    Attempt,
+    Relayed,
+    account,
+    end_attempt,
+    failed_attempt,
+    open_call,
+    prefix_key,
+    session_key,
+)
 from gateway.supervisor import WorkerPool
 from gateway.wire import MAX_NAME_BYTES, SESSION_HEADER
 from runtime.errors import InvalidArgument, ModelNotFound, TesseraError
 
 log = get_logger("tessera.gateway")
-PREFIX_CHARS = 64  # prompts at least this long are routed to where their prefix last went
-MAX_TRANSPARENT_RETRIES = 2
 DEADLINE_SLACK_S = 0.05  # a cancel this close to the deadline is the deadline
 # Sizes refused at the edge, as INVALID_ARGUMENT whatever the excess (docs/api.md, "Limits").
 MAX_PROMPT_BYTES = 1 << 20  # prompt text, or all chat message contents together
@@ -134,16 +143,6 @@ class Gateway:
             self._idle.set()
 
 
-def session_key(tenant: str, session: str | None) -> str | None:
-    """The router's key for a client's session id: scoped to the tenant (one tenant can never
-    pin itself to another's session) and of fixed size (a client's id costs no memory)."""
-    if session is None:
-        return None
-    if len(session.encode()) > MAX_NAME_BYTES:
-        raise InvalidArgument(f"{SESSION_HEADER} over {MAX_NAME_BYTES} bytes", field=SESSION_HEADER)
-    return hashlib.blake2b(f"{tenant}\0{session}".encode(), digest_size=16).hexdigest()
-
-
 def _check_prompt_size(nbytes: int, ntokens: int = 0) -> None:
     if nbytes > MAX_PROMPT_BYTES or ntokens > MAX_PROMPT_TOKEN_IDS:
         raise InvalidArgument(f"prompt over the limit of {MAX_PROMPT_BYTES} bytes "
@@ -209,14 +208,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _relay(self, model: str,
                      build: Callable[[], tuple[wpb.WorkerGenerateRequest, str]],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        """Authenticate, admit to the model's pool, relay the worker's stream (retried on
+        another worker when one is lost before the first token), map every failure to a
+        status; the pieces are gateway/relay.py. NOTE: the loop and its cleanup stay in this
+        one generator, so that a client gone mid-stream gives the slots back at once."""
         rid = f"req-{uuid.uuid4().hex[:16]}"
-        start = time.perf_counter()
         bound = log.bind(request_id=rid)
         reason, label = "OK", "?"  # NOTE: only served model ids become metric labels
         entered = False
-        billed = pb.Usage()  # what a stream that ends without its final is billed for
+        relayed = Relayed()
         tenant_name: str | None = None
-        final_seen = False
         try:
             self.gw._enter()
             entered = True
@@ -227,80 +228,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             metadata = dict(context.invocation_metadata() or ())
             session = session_key(tenant.name, metadata.get(SESSION_HEADER) or None)
             wreq, prefix = build()
-            prefix_key = None
-            if session is None and len(prefix) >= PREFIX_CHARS:
-                prefix_key = hashlib.blake2b(f"{tenant.name}\0{prefix}".encode(),
-                                             digest_size=16).hexdigest()
+            by_prefix = prefix_key(tenant.name, session, prefix)
             wreq.request_id, wreq.tenant = rid, tenant.name
             tenant_name = tenant.name
-            streamed = False
-            for attempt in range(MAX_TRANSPARENT_RETRIES + 1):
+            for number in range(MAX_TRANSPARENT_RETRIES + 1):
                 # NOTE: each attempt is its own request on the workers: a retry never meets
                 # its lost attempt's export (or import), still being freed on a live worker.
-                wreq.request_id = rid if attempt == 0 else f"{rid}.{attempt}"
-                worker = await pool.acquire(session, prefix_key, context.time_remaining(),
-                                            tenant=tenant.name,
-                                            limits=self.gw.limits_for(tenant))
-                bound = bound.bind(worker=worker.id)
-                prefill_pool = self.gw.prefill_pools.get(model)
-                prefiller = None
-                if prefill_pool is None:
-                    call = worker.stub.Generate(wreq, timeout=context.time_remaining())
-                else:  # disaggregated: the decode worker is picked (and reserves) first
-                    try:
-                        prefiller = await prefill_pool.acquire(
-                            session, prefix_key, context.time_remaining(), tenant=tenant.name,
-                            limits=self.gw.limits_for(tenant))
-                    except BaseException:
-                        await pool.release(worker, tenant.name)
-                        raise
-                    bound = bound.bind(prefill_worker=prefiller.id)
-                    call = worker.stub.GenerateImported(wpb.ImportGenerateRequest(
-                        request=wreq, prefill_target=f"unix:{prefiller.socket_path}",
-                        transfer_timeout_s=pool.config.transfer_timeout_s),
-                        timeout=context.time_remaining())
-                self.gw._calls.add(call)
+                wreq.request_id = rid if number == 0 else f"{rid}.{number}"
+                attempt = Attempt(pool, await pool.acquire(
+                    session, by_prefix, context.time_remaining(), tenant=tenant.name,
+                    limits=self.gw.limits_for(tenant)))
+                bound = bound.bind(worker=attempt.worker.id)
+                await open_call(self.gw, attempt, wreq, session, by_prefix, tenant, context)
+                if attempt.prefiller is not None:
+                    bound = bound.bind(prefill_worker=attempt.prefiller.id)
+                self.gw._calls.add(attempt.call)
                 try:
-                    last = None
-                    async for resp in call:
-                        now = time.perf_counter()
-                        if prefiller is not None and prefill_pool is not None:
-                            # prefill done, first token out: its slot is free again
-                            await prefill_pool.release(prefiller, tenant.name)
-                            prefiller = None
-                        if resp.HasField("chunk"):
-                            hist = metrics.ITL if streamed else metrics.TTFT
-                            hist.labels(model).observe(now - (last or start))
-                            streamed, last = True, now
-                            if resp.chunk.HasField("usage"):
-                                billed.CopyFrom(resp.chunk.usage)
-                            billed.completion_tokens += len(resp.chunk.token_ids)
-                        else:
-                            final_seen = True
-                            self.gw.record_usage(tenant.name, resp.final.usage)
+                    async for resp in attempt.call:
+                        await account(self.gw, attempt, relayed, resp, model, tenant.name)
                         yield resp
                     break
                 except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
-                    if isinstance(e, asyncio.CancelledError) and _cancelling():
-                        raise  # the client went away or its deadline passed
-                    if self.gw.closing:
-                        raise Unavailable("the server shut down before this request finished",
-                                          retry_after_s=1) from None
-                    err = (from_rpc_error(e) if isinstance(e, grpc.aio.AioRpcError)
-                           else WorkerLost(f"the call to worker {worker.id} was cut off"))
-                    if isinstance(err, WorkerLost):
-                        await pool.report_lost(worker)
-                    if isinstance(err, WorkerLost) and not streamed \
-                            and attempt < MAX_TRANSPARENT_RETRIES:
-                        bound.warning("worker lost before the first token; retrying")
-                        continue
-                    raise err from None
+                    err = await failed_attempt(self.gw, attempt, e, relayed, number,
+                                               _cancelling())
+                    if err is not None:
+                        raise err from None
+                    bound.warning("worker lost before the first token; retrying")
                 finally:
-                    self.gw._calls.discard(call)
-                    call.cancel()  # a no-op once finished; aborts the worker's request otherwise
-                    await pool.release(worker, tenant.name)
-                    if prefiller is not None and prefill_pool is not None:
-                        await prefill_pool.release(prefiller, tenant.name)
+                    await end_attempt(self.gw, attempt, tenant.name)
         except TesseraError as e:
             reason = e.reason
             bound.info("request failed", reason=e.reason, error=e.message)
@@ -315,11 +270,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             if entered:
                 self.gw._leave()
-            if tenant_name is not None and not final_seen and billed.prompt_tokens:
-                self.gw.record_usage(tenant_name, billed)  # cut short: bill what it cost
+            if tenant_name is not None and not relayed.final_seen \
+                    and relayed.billed.prompt_tokens:
+                self.gw.record_usage(tenant_name, relayed.billed)  # cut short: bill what it cost
             metrics.REQUESTS.labels(label, reason).inc()
             bound.info("request done", reason=reason,
-                       elapsed_s=round(time.perf_counter() - start, 4))
+                       elapsed_s=round(time.perf_counter() - relayed.start, 4))
 
 
 def _cancel_reason(context: grpc.aio.ServicerContext) -> str:

@@ -1,7 +1,7 @@
-"""Worker processes per model: spawn on demand, wait for health, keep min/max, reap idle ones,
-recycle old ones by draining, restart crashed ones with backoff. Each pool admits requests
-through a bounded queue, fair between tenants (gateway.fairness); past a tenant's bound,
-TENANT_CONCURRENCY_EXCEEDED, past the pool's, OVERLOADED, both with a retry hint."""
+"""Worker processes per model: start them on demand (forked from the pool's template, or
+spawned), wait for their pushed readiness, keep min/max, reap idle ones, recycle old ones by
+draining, restart crashed ones with backoff, probe their health. Requests are admitted to the
+pool's workers by gateway/admission.py; the configuration is gateway/pool_config.py."""
 
 from __future__ import annotations
 
@@ -9,95 +9,26 @@ import asyncio
 import itertools
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 from gateway import metrics
-from gateway.errors import DeadlineExceeded, Overloaded, TenantConcurrencyExceeded, WorkerLost
-from gateway.fairness import NO_LIMITS, FairQueue, TenantLimits, Ticket
+from gateway.admission import Admission
+from gateway.fairness import NO_LIMITS, FairQueue, TenantLimits
 from gateway.logs import get_logger
+from gateway.pool_config import PoolConfig, PoolStats
+from gateway.readiness import ReadinessListener
 from gateway.router import Router
 from gateway.start_failures import StartFailures
 from gateway.template import WorkerTemplate, uses_template
+from gateway.worker_command import threads_per_worker, worker_command, worker_env
 from gateway.worker_handle import WorkerHandle
-from runtime.errors import InvalidArgument
-from runtime.threads import share_of_cores, thread_env
+
+__all__ = ["PoolConfig", "PoolStats", "WorkerPool"]
 
 log = get_logger("tessera.supervisor")
-# The checkout holding runtime/ and gateway/: workers import from it whatever their cwd.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    model_id: str
-    model_path: str | None = None  # None: the embedded default model
-    min_workers: int = 1
-    max_workers: int = 2
-    max_inflight: int = 16  # per worker
-    max_queue: int = 64  # requests waiting for a worker, per pool
-    kv_cache_bytes: int | None = None  # None: each worker sizes its pool from free memory
-    idle_ttl_s: float | None = None  # reap workers idle this long, down to min_workers
-    recycle_after_requests: int | None = None
-    recycle_after_s: float | None = None
-    start_timeout_s: float = 180.0
-    # A worker whose engine loop died, whose current step has run this long, or that missed
-    # this many health probes in a row, is treated as crashed and replaced.
-    stuck_after_s: float = 60.0
-    max_missed_health: int = 3
-    restart_backoff_s: float = 0.5
-    max_restart_backoff_s: float = 30.0
-    # this many failed starts in a row fail the pool: requests get WORKER_START_FAILED at once
-    # (gateway/start_failures.py) while starts are still retried on the back-off above
-    max_start_failures: int = 3
-    worker_args: tuple[str, ...] = ()
-    worker_env: tuple[tuple[str, str], ...] = ()
-    # CPU threads per worker; None: this host's cores split evenly among max_workers
-    worker_threads: int | None = None
-    # "both": colocated workers; "prefill" / "decode": one pool of disaggregated serving, its
-    # formats in worker_args (gateway/transfer.py). A decode pool bounds each KV transfer.
-    role: str = "both"
-    transfer_timeout_s: float = 60.0
-    # fork workers from a template process (gateway/template.py); None: when the pool scales
-    # from zero or can grow
-    template: bool | None = None
-
-    @property
-    def pool_label(self) -> str:
-        """The pool's name in metrics and worker ids: the model id, plus the role if any."""
-        return self.model_id if self.role == "both" else f"{self.model_id}/{self.role}"
-
-    def __post_init__(self) -> None:
-        if self.role not in ("both", "prefill", "decode") or self.transfer_timeout_s <= 0:
-            raise InvalidArgument("role must be both, prefill or decode, and "
-                                  "transfer_timeout_s > 0", field="role")
-        if not 0 <= self.min_workers <= self.max_workers or self.max_workers < 1:
-            raise InvalidArgument("need 0 <= min_workers <= max_workers, max_workers >= 1",
-                                  field="min_workers")
-        if self.stuck_after_s <= 0 or self.max_missed_health < 1:
-            raise InvalidArgument("stuck_after_s must be > 0 and max_missed_health >= 1",
-                                  field="stuck_after_s")
-        if self.worker_threads is not None and self.worker_threads < 1:
-            raise InvalidArgument("worker_threads must be >= 1", field="worker_threads")
-        if self.max_start_failures < 1 or self.max_restart_backoff_s < self.restart_backoff_s:
-            raise InvalidArgument("max_start_failures must be >= 1 and max_restart_backoff_s "
-                                  ">= restart_backoff_s", field="max_start_failures")
-        if self.max_inflight < 1 or self.max_queue < 0:
-            raise InvalidArgument("max_inflight must be >= 1 and max_queue >= 0",
-                                  field="max_inflight")
-
-
-@dataclass
-class PoolStats:
-    spawned: int = 0
-    crashed: int = 0
-    reaped: int = 0
-    recycled: int = 0
-    cold_starts_s: list[float] = field(default_factory=list)
 
 
 class WorkerPool:
@@ -110,9 +41,7 @@ class WorkerPool:
         self.workers: dict[str, WorkerHandle] = {}
         self.stats = PoolStats()
         self.start_failures = StartFailures(config.pool_label, config.max_start_failures)
-        self.waiting = 0  # requests that could not start at once, all tenants
-        self.queue = FairQueue()
-        self._changed = asyncio.Condition()
+        self.admission = Admission(config.pool_label)
         self._seq = 0
         self._consecutive_crashes = 0
         self._next_spawn_at = 0.0
@@ -120,14 +49,15 @@ class WorkerPool:
         self._maintainer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._template: WorkerTemplate | None = None
+        self._readiness: ReadinessListener | None = None
 
-    # -- admission ----------------------------------------------------------------------------
+    # -- admission (gateway/admission.py) ------------------------------------------------------
 
     async def start(self) -> None:
         cfg = self.config
         if uses_template(cfg.template, cfg.min_workers, cfg.max_workers):
             shape = WorkerHandle(f"{cfg.pool_label}-template", "", cfg.max_inflight)
-            self._template = WorkerTemplate(self._command(shape), self._worker_env())
+            self._template = WorkerTemplate(self._command(shape), worker_env(cfg))
             self._background(self._template.start(cfg.start_timeout_s))
         self._maintainer = asyncio.create_task(self._maintain())
         await self._ensure_min()
@@ -138,102 +68,54 @@ class WorkerPool:
     def ready(self) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.state == "ready"]
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a worker slot, all tenants."""
+        return self.admission.waiting
+
+    @property
+    def queue(self) -> FairQueue:
+        """The pool's wait queue, fair between tenants."""
+        return self.admission.queue
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def max_queue(self) -> int:
+        return self.config.max_queue
+
     async def acquire(self, session: str | None = None, prefix_key: str | None = None,
                       timeout_s: float | None = None, *, tenant: str = "",
                       limits: TenantLimits = NO_LIMITS) -> WorkerHandle:
         """A worker with a free slot for one request of `tenant`; release() it, naming the same
         tenant, when the request ends. Waiting requests take freed slots in the FairQueue's
         order; past the tenant's own queue bound, or the pool's, a request is refused."""
-        wait_s = self.config.start_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + wait_s
-        model = self.config.pool_label
-        async with self._changed:
-            ticket = self.queue.join(tenant, limits)
-            started = queued = False
-            try:
-                while True:
-                    if self.start_failures.failed and not self.ready():
-                        self._scale_up()  # still retried, on its back-off
-                        raise self.start_failures.error()
-                    if self.queue.next_up() is ticket:
-                        worker = self.router.pick(self.live(), session, prefix_key)
-                        if worker is not None:
-                            worker = cast(WorkerHandle, worker)
-                            worker.inflight += 1
-                            worker.last_used = time.monotonic()
-                            self.queue.start(ticket)
-                            started = True
-                            # NOTE: another slot may be free for whoever's turn is next.
-                            self._changed.notify_all()
-                            return worker
-                    if not any(w.available for w in self.live()):  # not just a tenant's cap
-                        self._scale_up()
-                    if not queued:
-                        self._check_room(ticket)
-                        queued = True
-                        self.waiting += 1
-                        metrics.QUEUE_DEPTH.labels(model).set(self.waiting)
-                        self._tenant_gauges(tenant)
-                    left = deadline - time.monotonic()
-                    if left <= 0 and timeout_s is not None:
-                        raise DeadlineExceeded("deadline passed while waiting for a worker")
-                    if left <= 0:
-                        raise Overloaded(f"no worker of {model!r} became free in {wait_s:.0f} s",
-                                         retry_after_s=1)
-                    await self._wait_for_change(min(left, 1.0))
-                    if self._closed:
-                        raise WorkerLost("the gateway is shutting down")
-            finally:
-                if not started:
-                    self.queue.leave(ticket)
-                    self._changed.notify_all()  # the turn may pass to another tenant
-                if queued:
-                    self.waiting -= 1
-                    metrics.QUEUE_DEPTH.labels(model).set(self.waiting)
-                self._tenant_gauges(tenant)
+        worker = await self.admission.admit(self, session, prefix_key, timeout_s,
+                                            self.config.start_timeout_s, tenant, limits)
+        return cast(WorkerHandle, worker)
 
-    async def _wait_for_change(self, timeout_s: float) -> None:
-        """Until notified or timeout_s passed; the lock is held again on return, and the
-        caller's cancellation is never lost (asyncio.wait_for can swallow it before 3.12,
-        and a cancelled request would then take a slot for nobody)."""
-        waiting = asyncio.ensure_future(self._changed.wait())
-        cancelled = False
-        try:
-            await asyncio.wait({waiting}, timeout=timeout_s)
-        except asyncio.CancelledError:
-            cancelled = True
-        waiting.cancel()
-        # NOTE: the lock is ours again only once that wait has re-acquired it.
-        while not waiting.done():
-            try:
-                await asyncio.wait({waiting})
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
+    def check_startable(self) -> None:
+        if self.start_failures.failed and not self.ready():
+            self._scale_up()  # still retried, on its back-off
+            raise self.start_failures.error()
 
-    def _check_room(self, ticket: Ticket) -> None:
-        """A request that must wait: refused past its tenant's queue bound, then the pool's."""
-        model = self.config.pool_label
-        try:
-            self.queue.must_wait(ticket, model)
-        except TenantConcurrencyExceeded as e:
-            metrics.TENANT_REFUSED.labels(model, ticket.tenant, e.reason).inc()
-            raise
-        if self.waiting >= self.config.max_queue:
-            metrics.REJECTED.labels(model).inc()
-            metrics.TENANT_REFUSED.labels(model, ticket.tenant, Overloaded.reason).inc()
-            raise Overloaded(f"model {model!r} is at capacity; retry shortly", retry_after_s=1,
-                             model=model)
+    def take_slot(self, session: str | None, prefix_key: str | None) -> WorkerHandle | None:
+        worker = self.router.pick(self.live(), session, prefix_key)
+        if worker is None:
+            return None
+        worker = cast(WorkerHandle, worker)
+        worker.inflight += 1
+        worker.last_used = time.monotonic()
+        return worker
 
-    def _tenant_gauges(self, tenant: str) -> None:
-        model = self.config.pool_label
-        metrics.TENANT_INFLIGHT.labels(model, tenant).set(self.queue.inflight[tenant])
-        metrics.TENANT_QUEUED.labels(model, tenant).set(self.queue.queued(tenant))
+    def wake(self) -> None:
+        if not any(w.available for w in self.live()):  # not just a tenant's cap
+            self._scale_up()
 
     async def release(self, worker: WorkerHandle, tenant: str = "") -> None:
-        self.queue.finish(tenant)
-        self._tenant_gauges(tenant)
+        self.admission.finish(tenant)
         worker.inflight -= 1
         worker.requests_served += 1
         worker.last_used = time.monotonic()
@@ -286,8 +168,7 @@ class WorkerPool:
         task.add_done_callback(self._tasks.discard)
 
     async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        await self.admission.notify()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -303,6 +184,8 @@ class WorkerPool:
         wid = f"{self.config.pool_label.replace('/', '-')}-{self._seq}"
         if self._run_dir is None:
             self._run_dir = tempfile.mkdtemp(prefix="tessera-")
+        if self._readiness is None:
+            self._readiness = ReadinessListener(os.path.join(self._run_dir, "ready.sock"))
         worker = WorkerHandle(wid, os.path.join(self._run_dir, f"w{self._seq}.sock"),
                               self.config.max_inflight)
         self.workers[wid] = worker
@@ -312,36 +195,25 @@ class WorkerPool:
 
     @property
     def threads_per_worker(self) -> int:
-        return self.config.worker_threads or share_of_cores(self.config.max_workers)
+        return threads_per_worker(self.config)
 
     def _command(self, worker: WorkerHandle) -> list[str]:
-        cmd = [sys.executable, "-m", "gateway.worker", "--socket", worker.socket_path,
-               "--worker-id", worker.id, "--served-model-name", self.config.model_id,
-               "--max-num-seqs", str(self.config.max_inflight),
-               "--worker-threads", str(self.threads_per_worker)]
-        if self.config.kv_cache_bytes is not None:
-            cmd += ["--kv-cache-bytes", str(self.config.kv_cache_bytes)]
-        if self.config.model_path is not None:
-            cmd += ["--model", self.config.model_path]
-        if self.config.role != "both":
-            cmd += ["--role", self.config.role]
-        return cmd + list(self.config.worker_args)
-
-    def _worker_env(self) -> dict[str, str]:
-        env = {**os.environ, **thread_env(self.threads_per_worker),
-               **dict(self.config.worker_env)}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
-        return env
+        ready = None if self._readiness is None else self._readiness.path
+        return worker_command(self.config, worker.id, worker.socket_path, ready)
 
     async def _run(self, worker: WorkerHandle) -> None:
         """Start one worker, wait for health, then watch it until it exits."""
         start = None if self._template is None else self._template.start_worker
+        assert self._readiness is not None
+        ready = self._readiness.expect(worker.id)
         try:
-            await worker.launch(self._command(worker), self._worker_env(),
-                                self.config.start_timeout_s, start)
+            await worker.launch(self._command(worker), worker_env(self.config),
+                                self.config.start_timeout_s, ready, start)
         except Exception as e:
             if worker.state == "starting":  # not stopped by a drain or close meanwhile
                 await self._start_failed(worker, str(e))
+        finally:
+            self._readiness.forget(worker.id)
         if worker.state == "ready":
             self.start_failures.record_ready()
             self.stats.cold_starts_s.append(worker.cold_start_s)
@@ -454,5 +326,7 @@ class WorkerPool:
         await self._notify()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)
+        if self._readiness is not None:
+            self._readiness.close()
         if self._own_run_dir and self._run_dir is not None:
             shutil.rmtree(self._run_dir, ignore_errors=True)

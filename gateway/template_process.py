@@ -38,6 +38,8 @@ class Template:
         self.phases: dict[str, float] = {}
         self.checkpoint: Any = None
         self.key: Any = None
+        self.engine: Any = None  # built and warmed here, for workers (gateway/template_warm.py)
+        self.engine_config: Any = None  # its configuration (warm_config of the workers')
         # NOTE: the workers exit with the gateway, not with the template (gateway/worker.py).
         self.gateway_pidfd = os.pidfd_open(os.getppid())
         self.load()
@@ -68,26 +70,38 @@ class Template:
 
         args = parse_args(self.worker_argv)
         config = engine_config(args)
-        self.checkpoint = open_checkpoint(args.model)
-        self.key = _source_stamp(self.checkpoint.path)
+        checkpoint = open_checkpoint(args.model)
         from runtime.models import model_class
 
-        model_class(self.checkpoint.config)  # its architecture's module, imported once here
+        model_class(checkpoint.config)  # its architecture's module, imported once here
         t = self._mark("checkpoint", t)
         from runtime.grammar import llguidance_tokenizer
 
-        cfg = self.checkpoint.config
-        llguidance_tokenizer(self.checkpoint.tokenizer, cfg.vocab_size,
+        cfg = checkpoint.config
+        llguidance_tokenizer(checkpoint.tokenizer, cfg.vocab_size,
                              sorted(set(cfg.eos_token_ids)))
         t = self._mark("grammar_tokenizer", t)
         from runtime.loader.gguf_loader import GGUFCheckpoint
 
         if (config.mapped_weights and config.gguf_weights != "dequantize"
-                and isinstance(self.checkpoint, GGUFCheckpoint)):
+                and isinstance(checkpoint, GGUFCheckpoint)):
             from runtime.loader.mapped_gguf import checkpoint_mapping
 
-            checkpoint_mapping(self.checkpoint).prefault()
-        self._mark("map_weights", t)
+            checkpoint_mapping(checkpoint).prefault()
+        t = self._mark("map_weights", t)
+        engine = None
+        if config.device == "cpu":  # NOTE: on a GPU, CUDA and the engine start in the child
+            from gateway.template_warm import build_warm_engine, warm_config
+
+            self.engine = self.engine_config = None  # the old model's, freed before the new
+            engine = build_warm_engine(checkpoint, config)
+            t = self._mark("engine_warm_up", t)
+        reseed()  # NOTE: its first calls import and set up lazily (50 ms); the children's are quick
+        # NOTE: swapped in whole, once loaded: a failed reload keeps the previous model, and the
+        # next fork tries again. The key is the opened file's: a rename over the path since
+        # the open makes the next fork reload.
+        self.checkpoint, self.key = checkpoint, _opened_stamp(checkpoint)
+        self.engine, self.engine_config = engine, None if engine is None else warm_config(config)
 
     def fork(self, argv: list[str]) -> int:
         """A worker for `argv` (gateway.worker's): its pid. A replaced model file is opened
@@ -100,11 +114,23 @@ class Template:
 
         if torch.cuda.is_initialized():  # NOTE: a child cannot re-initialise CUDA after a fork
             raise RuntimeError("CUDA is initialised in the template: forking it is unsafe")
+        engine = self.engine if self._same_engine(argv) else None
         gc.freeze()  # NOTE: the child's refcount writes then leave the template's pages shared
         pid = os.fork()
         if pid == 0:
-            _become_worker(argv, self.checkpoint, self.gateway_pidfd)
+            _become_worker(argv, self.checkpoint, self.gateway_pidfd, engine)
         return pid
+
+    def _same_engine(self, argv: list[str]) -> bool:
+        """Whether a worker of `argv` can adopt the engine built here (same configuration but
+        for threads and seed)."""
+        if self.engine is None:
+            return False
+        from gateway.template_warm import warm_config
+        from gateway.worker import parse_args
+        from runtime.engine_flags import engine_config
+
+        return bool(warm_config(engine_config(parse_args(argv))) == self.engine_config)
 
 
 def _source_stamp(path: Path) -> tuple[int, int, int]:
@@ -112,18 +138,32 @@ def _source_stamp(path: Path) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _become_worker(argv: list[str], checkpoint: Any, gateway_pidfd: int) -> None:
+def _opened_stamp(checkpoint: Any) -> tuple[int, int, int]:
+    """The stamp of the file `checkpoint` reads (a GGUF's open file), else of its path."""
+    source_stat = getattr(checkpoint, "source_stat", None)
+    if source_stat is None:
+        return _source_stamp(checkpoint.path)
+    st = source_stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _become_worker(argv: list[str], checkpoint: Any, gateway_pidfd: int, engine: Any) -> None:
     """In the child: a session of its own, only the fds it needs, fresh random state, then the
-    worker's own start (threads, KV pool, sockets, warm-up). Never returns."""
+    worker's own start (threads, sockets; the engine, KV pool and warm-up too when the template
+    has no `engine` for this worker's configuration). Never returns."""
     code = 1
+    marks = {"forked": time.monotonic()}
     try:
         os.setsid()
         _close_fds_but(_files_to_keep() | {gateway_pidfd})
         reseed()
-        gc.unfreeze()
+        # NOTE: the template's objects stay frozen: a collection that walked them would write
+        # their headers and copy every page they sit on into this worker.
         from gateway.worker import main
 
-        code = main(argv, checkpoint=checkpoint, parent_pidfd=gateway_pidfd)
+        marks["setup"] = time.monotonic()
+        code = main(argv, checkpoint=checkpoint, parent_pidfd=gateway_pidfd, marks=marks,
+                    engine=engine)
     except BaseException:
         import traceback
 

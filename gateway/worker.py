@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import select
 import signal
@@ -17,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -26,6 +28,7 @@ from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import to_status
 from gateway.logs import configure, get_logger
+from gateway.readiness import notify_ready
 from gateway.transfer import CHANNEL_OPTIONS, ROLES, TRANSPORTS, TransferService, transfer_stats
 from runtime.async_engine import AsyncLLM
 from runtime.candidates import generate_candidates
@@ -33,6 +36,9 @@ from runtime.engine_flags import add_engine_flags, engine_config
 from runtime.errors import InvalidArgument, RequestCancelled, TesseraError
 from runtime.loader.checkpoint import Checkpoint
 from runtime.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from runtime.engine import LLMEngine
 
 log = get_logger("tessera.worker")
 
@@ -241,6 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--socket", required=True, help="unix socket path to listen on")
     p.add_argument("--worker-id", default=None, help="name in logs and metrics "
                    "(default: worker-PID)")
+    p.add_argument("--ready-socket", default=None,
+                   help="a unix datagram socket told once this worker serves (the gateway's)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients use (the gateway passes its pool's id)")
     add_engine_flags(p)
@@ -263,25 +271,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None) -> None:
+async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
+                marks: dict[str, float] | None = None, engine: LLMEngine | None = None) -> None:
     """Serve until SIGTERM. `checkpoint`: one opened already (by a template this process was
-    forked from), else `args.model` is opened here."""
+    forked from), else `args.model` is opened here. `marks`: phase name -> time.monotonic()
+    at its end, so far (a forked child's), extended here and sent with the readiness.
+    `engine`: the template's engine, built and warmed for this configuration, adopted here
+    (gateway/template_warm.py)."""
+    marks = {} if marks is None else marks
+    marks["main"] = time.monotonic()
     from kernels.cpu_ops import native_status
     from runtime.engine import LLMEngine
     from runtime.loader import open_checkpoint
 
     worker_id = args.worker_id or f"worker-{os.getpid()}"
     started = time.monotonic()
-    engine = LLMEngine(checkpoint or open_checkpoint(args.model), engine_config(args))
+    # NOTE: unseeded requests draw from the engine's default generator; a fixed seed would give
+    # every worker (forked from one template or spawned) the same unseeded samples.
+    config = dataclasses.replace(engine_config(args),
+                                 seed=int.from_bytes(os.urandom(8), "little") >> 1)
+    adopted = engine is not None
+    if engine is None:
+        engine = LLMEngine(checkpoint or open_checkpoint(args.model), config)
+    else:
+        from gateway.template_warm import adopt_engine
+
+        adopt_engine(engine, config)
     engine_s = time.monotonic() - started
+    marks["engine"] = time.monotonic()
     # NOTE: before the socket exists, so the gateway never routes to a worker that would pay
-    # a native build or a first-use cost on a client's request.
+    # a native build or a first-use cost on a client's request (an adopted engine has paid).
     started = time.monotonic()
-    engine.warm_up()
+    if not adopted:
+        engine.warm_up()
+    marks["warm_up"] = time.monotonic()
     native_ops = native_status() if engine.device.type == "cpu" else ""
     log.info("worker warmed up", worker=worker_id, native_ops=native_ops,
              engine_s=round(engine_s, 3), warm_up_s=round(time.monotonic() - started, 3),
-             forked=checkpoint is not None)
+             forked=checkpoint is not None, adopted=adopted)
     llm = AsyncLLM(engine)
     served = _served(engine, args.model, worker_id, args.served_model_name)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
@@ -292,6 +319,9 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None) 
     await server.start()
     log.info("worker serving", worker=worker_id, socket=args.socket, model=served.model,
              revision=served.revision, pid=os.getpid())
+    marks["serve"] = time.monotonic()
+    if args.ready_socket:
+        notify_ready(args.ready_socket, worker_id, marks)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -303,14 +333,16 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None) 
 
 
 def main(argv: list[str] | None = None, *, checkpoint: Checkpoint | None = None,
-         parent_pidfd: int | None = None) -> int:
-    """The worker's process entry; a template's forked child passes its opened `checkpoint`
-    and a pidfd of the gateway to exit with."""
+         parent_pidfd: int | None = None, marks: dict[str, float] | None = None,
+         engine: LLMEngine | None = None) -> int:
+    """The worker's process entry; a template's forked child passes its opened `checkpoint`,
+    a pidfd of the gateway to exit with, the marks of its phases so far and its warmed engine,
+    when it has one for this worker's configuration."""
     configure()
     args = parse_args(argv)
     _exit_with_parent(args.socket, parent_pidfd=parent_pidfd)
     try:
-        asyncio.run(serve(args, checkpoint))
+        asyncio.run(serve(args, checkpoint, marks, engine))
     except TesseraError as e:
         log.error("worker failed to start", reason=e.reason, error=e.message)
         return 2

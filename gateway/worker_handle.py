@@ -15,6 +15,7 @@ import grpc
 from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import WorkerLost
+from gateway.readiness import Readiness, start_phases
 from gateway.start_failures import StderrTail
 from gateway.wire import ServedInfo
 
@@ -45,6 +46,8 @@ class WorkerHandle:
         self.stub: worker_pb2_grpc.WorkerStub | None = None
         self.status: wpb.StatusResponse | None = None
         self.missed_health = 0
+        # phase -> seconds of its start (start_phases), once ready
+        self.start_phases: dict[str, float] = {}
         self.stderr = StderrTail()  # relayed to the gateway's stderr; its last error line kept
 
     @property
@@ -66,38 +69,52 @@ class WorkerHandle:
         return ServedInfo.from_proto(self.status.served)
 
     async def launch(self, command: list[str], env: dict[str, str], timeout_s: float,
-                     start: StartProcess | None = None) -> None:
+                     ready: asyncio.Future[Readiness], start: StartProcess | None = None) -> None:
         """Start the process (with `start`, e.g. a fork from the pool's template, else a
-        spawn) and return once its Health RPC says it serves."""
+        spawn) and return once it has pushed its readiness (`ready`, from the pool's
+        gateway.readiness.ReadinessListener) and answered
+        one Status call. Raises WorkerLost when it exits first, reports another pid, or has not
+        reported within `timeout_s` of its start (then it is killed)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         # NOTE: a session of its own, so a terminal's Ctrl-C (sent to the whole foreground
         # group) reaches only the gateway, which drains and then stops its workers; the worker
         # still exits with its parent (gateway/worker.py: _exit_with_parent).
         self.process = await (start or _spawn)(command, env)
+        process_at = time.monotonic()
         if getattr(self.process, "stderr", None) is not None:
             self.stderr.follow(self.process.stderr)
         self.channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}")
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        deadline = self.started_at + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.returncode is not None or self.state == "stopped":
-                raise WorkerLost(f"worker {self.id} exited during start",
-                                 exit_code=self.process.returncode)
-            if os.path.exists(self.socket_path):
-                try:
-                    health = await self.stub.Health(wpb.HealthRequest(), timeout=2)
-                    if health.serving:
-                        self.status = await self.stub.Status(wpb.StatusRequest(), timeout=10)
-                        if self.state == "starting":
-                            self.ready_at = time.monotonic()
-                            self.state = "ready"
-                        return
-                except grpc.aio.AioRpcError:
-                    pass
-            await asyncio.sleep(0.02)  # a forked worker is ready in a few hundred ms
-        self.kill()
-        raise WorkerLost(f"worker {self.id} not healthy after {timeout_s:.0f} s")
+        exited = asyncio.ensure_future(self.process.wait())
+        left = self.started_at + timeout_s - time.monotonic()
+        try:
+            await asyncio.wait({ready, exited}, timeout=max(left, 0.0),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        if self.process.returncode is not None or self.state == "stopped":
+            raise WorkerLost(f"worker {self.id} exited during start",
+                             exit_code=self.process.returncode)
+        if not ready.done() or ready.cancelled():
+            self.kill()
+            raise WorkerLost(f"worker {self.id} did not report ready in {timeout_s:.0f} s")
+        report = ready.result()
+        if report.pid != self.process.pid:  # NOTE: fail closed on whose socket it is
+            self.kill()
+            raise WorkerLost(f"worker {self.id} readiness came from pid {report.pid}, "
+                             f"not {self.process.pid}")
+        try:
+            self.status = await self.stub.Status(wpb.StatusRequest(), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            self.kill()
+            raise WorkerLost(f"worker {self.id} reported ready but does not answer: "
+                             f"{e.code().name}") from e
+        if self.state == "starting":
+            self.ready_at = time.monotonic()
+            self.state = "ready"
+            self.start_phases = start_phases(self.started_at, process_at, report.marks,
+                                             self.ready_at)
 
     async def read_status(self, timeout_s: float = 2.0) -> wpb.StatusResponse | None:
         try:

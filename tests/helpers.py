@@ -82,3 +82,22 @@ def tiny_random_checkpoint(num_layers: int = 2) -> Checkpoint:
                          512, tie_word_embeddings=True, eos_token_ids=(2,))
     tokenizer = open_checkpoint(None).tokenizer  # reads the GGUF's metadata, not its tensors
     return RandomCheckpoint(config, tokenizer, Path("tiny-random"), "tiny-random")
+
+
+def perturbed_model_copy(source: Path, target: Path) -> None:
+    """`source` (a GGUF file) copied to `target` with its final norm's weights reversed:
+    another model of the same size and layout, whose greedy output differs."""
+    import shutil
+
+    import numpy as np
+    from gguf import GGUFReader
+
+    shutil.copyfile(source, target)
+    reader = GGUFReader(str(target))
+    tensor = next(t for t in reader.tensors if t.name == "output_norm.weight")
+    weights = np.array(tensor.data, dtype=np.float32)[::-1].copy()
+    offset = tensor.data_offset
+    del reader
+    with open(target, "r+b") as f:
+        f.seek(offset)
+        f.write(weights.tobytes())

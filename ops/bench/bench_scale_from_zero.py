@@ -10,7 +10,9 @@ token, and each worker's memory, with workers forked from a template and spawned
   token of one such request arrives; median over `--serve-trials`.
 - memory: PSS and private bytes (/proc/PID/smaps_rollup) of each of 2 workers, and private
   resident bytes, KV pages included (the pool is allocated whole, resident where touched).
-Phases: the template's load phases, and each worker's ready time as the gateway saw it.
+Phases: the template's load phases, and each worker's start by phase as its readiness
+reported it (gateway/readiness.py: start_phases); `--phases-only` measures just those and the
+template's cold penalty, for a quick look.
 Numbers from a shared machine are only as quiet as the machine: say its load beside them.
 """
 
@@ -78,10 +80,11 @@ def cold_penalty(template: bool, trials: int) -> dict[str, object]:
         for _ in range(trials):
             _wait(lambda: not pool.live())
             cold = _ttft(runner.target)
-            ready = [w.cold_start_s for w in pool.ready()]
+            ready = [(w.cold_start_s, w.start_phases) for w in pool.ready()]
             warm = _ttft(runner.target)
             rows.append({"cold_s": cold, "warm_s": warm, "penalty_s": cold - warm,
-                         "worker_ready_s": ready[0] if ready else float("nan")})
+                         "worker_ready_s": ready[0][0] if ready else float("nan"),
+                         "phases_s": ready[0][1] if ready else {}})
         phases = dict(pool._template.phases) if pool._template is not None else {}
     finally:
         runner.stop()
@@ -90,7 +93,14 @@ def cold_penalty(template: bool, trials: int) -> dict[str, object]:
             "p99_s": _percentile(pen, 0.99), "warm_p50_s": statistics.median(
                 r["warm_s"] for r in rows),
             "worker_ready_p50_s": statistics.median(r["worker_ready_s"] for r in rows),
+            "worker_phases_p50_s": _phase_medians([r["phases_s"] for r in rows]),
             "template_phases_s": phases, "rows": rows}
+
+
+def _phase_medians(trials: list[dict[str, float]]) -> dict[str, float]:
+    """Per phase of a worker's start (gateway/readiness.py: start_phases), its median."""
+    names = list(dict.fromkeys(name for t in trials for name in t))
+    return {n: round(statistics.median(t.get(n, 0.0) for t in trials), 4) for n in names}
 
 
 def _smaps(pid: int) -> dict[str, int]:
@@ -170,9 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--serve-trials", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--phases-only", action="store_true",
+                   help="only the template's cold penalty and its workers' start phases")
     args = p.parse_args(argv)
     load = os.getloadavg()[0]
     results: dict[str, object] = {"loadavg_1m": load, "cores": os.cpu_count()}
+    if args.phases_only:
+        cold = cold_penalty(True, args.trials)
+        print(f"load average {load:.1f} on {os.cpu_count()} cores; {cold['trials']} trials")
+        print(f"cold penalty p50 {cold['p50_s'] * 1e3:.0f} ms, p99 {cold['p99_s'] * 1e3:.0f} "
+              f"ms; warm TTFT p50 {cold['warm_p50_s'] * 1e3:.0f} ms")
+        print("forked worker's start, median per phase (ms):",
+              json.dumps({k: round(v * 1e3, 1)
+                          for k, v in cold["worker_phases_p50_s"].items()}))  # type: ignore[union-attr]
+        return 0
     for template in (True, False):
         name = "template" if template else "spawn"
         results[f"cold_{name}"] = cold_penalty(template, args.trials)
@@ -196,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m['rss_mib']:.0f} |")
     phases = results["cold_template"]["template_phases_s"]  # type: ignore[index]
     print("\ntemplate load phases (s, once per template):", json.dumps(phases))
+    for name in ("template", "spawn"):
+        worker = results[f"cold_{name}"]["worker_phases_p50_s"]  # type: ignore[index]
+        print(f"worker start phases, {name} (s, median):", json.dumps(worker))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

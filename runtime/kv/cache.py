@@ -195,11 +195,14 @@ class KVCache:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Zeros; on CPU in an anonymous mapping, whose pages the OS commits only when first
-    written, so an idle engine's resident memory grows with the KV it uses, not its pool."""
+    """Zeros; on CPU in a private anonymous mapping, whose pages the OS commits only when first
+    written, so an idle engine's resident memory grows with the KV it uses, not its pool.
+    Private: a forked process gets its own copy on write, never a pool shared with its parent
+    (a worker forked from a template process that built this engine)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     # NOTE: the tensor keeps the mapping alive; it is unmapped when the tensor is freed.
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype,
+    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype,
                             count=math.prod(shape)).view(shape)

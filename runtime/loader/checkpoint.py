@@ -32,3 +32,9 @@ class Checkpoint(abc.ABC):
         the process's resident set, once the model holds its own copies (a later read maps
         them in again from the file). A no-op for formats that keep no mapping open."""
         return None
+
+    def populate_pages(self) -> None:
+        """Map the pages of the weights this checkpoint serves in place into this process's
+        page table now, from the page cache (a worker forked from a template does this rather
+        than fault them in during its first request). A no-op for formats that copy."""
+        return None

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import torch
@@ -38,12 +39,17 @@ _GLOBAL_NAMES = {
 
 class GGUFCheckpoint(Checkpoint):
     reader: Any
+    # NOTE: the file the reader maps, held open: its fstat names what was read even after the
+    # path is replaced (runtime/loader/mapped.py keys the mapped copy by it).
+    source: BinaryIO
 
     @classmethod
     def open(cls, path: Path) -> GGUFCheckpoint:
         try:
-            reader = _reader_class()(str(path))
+            source, reader = _open_stable(path)
             fields = {k: _field_value(f) for k, f in reader.fields.items()}
+        except ModelLoadError:
+            raise
         except Exception as e:  # gguf raises ValueError/struct errors/numpy errors on bad bytes
             raise ModelLoadError(f"{path.name} is not a readable GGUF file: {e}",
                                  path=path) from e
@@ -57,8 +63,17 @@ class GGUFCheckpoint(Checkpoint):
         # NOTE: the reader's parsed fields (a numpy view per vocabulary string and merge, ~45
         # MB for the default model) are read once, above; the tensors need only `tensors`.
         reader.fields.clear()
-        ckpt.reader = reader
+        ckpt.reader, ckpt.source = reader, source
         return ckpt
+
+    def populate_pages(self) -> None:
+        mapped = getattr(self, "mapped", None)  # runtime/loader/mapped_gguf.py: its mapped copy
+        if mapped is not None:
+            mapped.populate()
+
+    def source_stat(self) -> os.stat_result:
+        """The stat of the file this checkpoint reads (not of what its path names now)."""
+        return os.fstat(self.source.fileno())
 
     def release_file_pages(self) -> None:
         """Every tensor is copied out of the memory map (blocks and dequantized alike), so
@@ -108,6 +123,23 @@ class GGUFCheckpoint(Checkpoint):
             elif name.endswith("self_attn.k_proj.weight"):
                 planes = planes.rows(lambda p: _unpermute(p, cfg.num_key_value_heads))
             yield name, planes
+
+
+def _open_stable(path: Path, tries: int = 3) -> tuple[BinaryIO, Any]:
+    """(the file, a GGUF reader of that same file): opened, then read, then checked to be one
+    inode, so a rename over `path` in between never pairs one file's key with another's bytes.
+    Raises ModelLoadError when `path` keeps being replaced."""
+    for _ in range(tries):
+        source = open(path, "rb")  # held by the checkpoint
+        try:
+            reader = _reader_class()(str(path))
+            if os.fstat(source.fileno()).st_ino == path.stat().st_ino:
+                return source, reader
+        except BaseException:
+            source.close()
+            raise
+        source.close()
+    raise ModelLoadError(f"{path} was replaced {tries} times while it was opened", path=path)
 
 
 def _reader_class() -> type:

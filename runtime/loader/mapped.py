@@ -24,7 +24,7 @@ import os
 import struct
 import tempfile
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ MAGIC = b"TSRMAP01"
 # NOTE: bump when what a format writes changes (import, permutation, fusion): it is in the key.
 CODE_VERSION = 1
 PAGE = mmap.PAGESIZE
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Python 3.11's mmap lacks it
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
     torch.int64)}
@@ -51,10 +52,11 @@ def cache_dir() -> Path:
     return Path(base) / "tessera" / "mapped"
 
 
-def source_key(source: Path, fmt: str) -> dict[str, Any]:
-    """What the mapped file was made from: the source's real path, size and mtime (ns), the
-    format it serves and this code's version. A replaced source changes the key."""
-    st = source.stat()
+def source_key(source: Path, fmt: str, st: os.stat_result | None = None) -> dict[str, Any]:
+    """What the mapped file was made from: the source's real path, size and mtime (ns) (of
+    `st`, the file actually read, else of what the path names), the format it serves and this
+    code's version. A replaced source changes the key."""
+    st = source.stat() if st is None else st
     return {"source": str(source.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "format": fmt, "version": CODE_VERSION}
 
@@ -166,6 +168,12 @@ class MappedWeights:
                                     offset=self.index["data_start"] + entry["offset"])
         return flat.view(entry["shape"])
 
+    def populate(self) -> None:
+        """Map every page of the file into this process's page table now (MADV_POPULATE_READ,
+        Linux 5.14+; a no-op where it is missing): a forked worker's first step then takes no
+        page fault on the weights."""
+        _populate_read(self.mapping)
+
     def prefault(self) -> None:
         """Ask the kernel to read the whole file into the page cache now (a template does
         this so that forked workers find every page resident)."""
@@ -173,11 +181,19 @@ class MappedWeights:
             self.mapping.madvise(mmap.MADV_WILLNEED)
 
 
-def open_or_make(source: Path, fmt: str, make: Any,
-                 folder: Path | None = None) -> MappedWeights:
+def _populate_read(mapping: mmap.mmap) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        mapping.madvise(_MADV_POPULATE_READ)
+
+
+def open_or_make(source: Path, fmt: str, make: Any, folder: Path | None = None,
+                 stat: Callable[[], os.stat_result] | None = None) -> MappedWeights:
     """The mapped file for (`source`, `fmt`), made by `make() -> (tensors, meta)` and written
-    first if no valid one exists (a stale or torn one is never used: it is remade)."""
-    key = source_key(source, fmt)
+    first if no valid one exists (a stale or torn one is never used: it is remade). `stat`:
+    the stat of the file `make` reads (an open checkpoint's), when the path may since name
+    another; the key is its, so old weights never sit under a new file's key."""
+    stat = stat or source.stat
+    key = source_key(source, fmt, stat())
     path = cache_path(key, folder)
     if path.exists():
         try:
@@ -185,7 +201,7 @@ def open_or_make(source: Path, fmt: str, make: Any,
         except ModelLoadError:
             pass  # made by another version or damaged: remade below, atomically
     tensors, meta = make()
-    if source_key(source, fmt) != key:  # replaced while it was read: what was read may mix
+    if source_key(source, fmt, stat()) != key:  # written while it was read: it may mix
         raise ModelLoadError(f"{source} changed while it was converted; load it again",
                              path=source)
     write_mapped(path, key, tensors, meta)

@@ -39,7 +39,8 @@ def checkpoint_mapping(checkpoint: GGUFCheckpoint) -> MappedWeights:
     mapped = getattr(checkpoint, "mapped", None)
     if isinstance(mapped, MappedWeights):
         return mapped
-    mapped = open_or_make(checkpoint.path, FORMAT, lambda: _convert(checkpoint))
+    mapped = open_or_make(checkpoint.path, FORMAT, lambda: _convert(checkpoint),
+                          stat=checkpoint.source_stat)
     checkpoint.mapped = mapped  # type: ignore[attr-defined]
     return mapped
 

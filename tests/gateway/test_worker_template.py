@@ -23,6 +23,7 @@ from gateway.runner import GatewayRunner
 from gateway.template import ForkedProcess
 from gateway.template_process import reseed
 from tests.gateway.conftest import KEYS, MODEL, api_keys, pool_config, wait_for
+from tests.helpers import perturbed_model_copy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -100,6 +101,12 @@ def test_forked_workers_sample_alike_with_one_seed(forked_pair: GatewayRunner) -
     a, b = _direct(forked_pair, first, seed=1234), _direct(forked_pair, second, seed=1234)
     assert len(a) == 12 and a == b
     assert _direct(forked_pair, first, seed=99) != a  # the seed is what made them equal
+
+
+def test_forked_workers_sample_differently_without_a_seed(forked_pair: GatewayRunner) -> None:
+    first, second = forked_pair.gateway.pools[MODEL].ready()
+    a, b = _direct(forked_pair, first, seed=None), _direct(forked_pair, second, seed=None)
+    assert len(a) == len(b) == 12 and a != b
 
 
 def test_forks_draw_different_numbers_without_a_seed() -> None:
@@ -184,21 +191,6 @@ def test_template_death_falls_back_to_spawning_and_leaves_workers_serving(
         runner.stop()
 
 
-def _perturbed_copy(source: Path, target: Path) -> None:
-    """`source` with its final norm's weights reversed: another model, same size."""
-    from gguf import GGUFReader
-
-    shutil.copyfile(source, target)
-    reader = GGUFReader(str(target))
-    tensor = next(t for t in reader.tensors if t.name == "output_norm.weight")
-    weights = np.array(tensor.data, dtype=np.float32)[::-1].copy()
-    offset = tensor.data_offset
-    del reader
-    with open(target, "r+b") as f:
-        f.seek(offset)
-        f.write(weights.tobytes())
-
-
 def test_a_model_replaced_under_the_template_is_served_by_the_next_worker(
         tmp_path: Path, default_model_path: Path) -> None:
     model = tmp_path / "model.gguf"
@@ -211,7 +203,7 @@ def test_a_model_replaced_under_the_template_is_served_by_the_next_worker(
         pool = runner.gateway.pools[MODEL]
         before = _greedy(runner)
         staged = tmp_path / "model.gguf.new"
-        _perturbed_copy(default_model_path, staged)
+        perturbed_model_copy(default_model_path, staged)
         os.replace(staged, model)  # atomically, as a deployment replaces a model
         wait_for(lambda: not pool.live(), 60, "the pool at zero")
         after = _greedy(runner)

@@ -19,6 +19,7 @@ from runtime.loader import default_model_path, open_checkpoint
 from runtime.loader.mapped import MappedWeights, cache_path, source_key, write_mapped
 from runtime.loader.mapped_gguf import FORMAT, checkpoint_mapping
 from runtime.sampling_params import SamplingParams
+from tests.helpers import perturbed_model_copy
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +109,23 @@ def test_a_replaced_source_gets_a_new_file_and_the_old_stays_whole(
     second = checkpoint_mapping(open_checkpoint(source))
     assert second.path != first.path and second.index["key"] == source_key(source, FORMAT)
     assert bytes(first.mapping[: 1 << 16]) == first_bytes  # a holder's mapping is untouched
+
+
+def test_a_source_replaced_after_it_was_opened_is_mapped_as_opened(
+        mapped_dir: Path, tmp_path: Path) -> None:
+    """The mapped file is keyed by the file the checkpoint read, not by what the path names
+    when the mapping is made: old weights never sit under the new file's key."""
+    source = tmp_path / "model.gguf"
+    shutil.copyfile(default_model_path(), source)
+    opened = open_checkpoint(source)
+    replacement = tmp_path / "model.gguf.new"
+    perturbed_model_copy(default_model_path(), replacement)
+    os.replace(replacement, source)  # after the open, before the mapping
+    old = checkpoint_mapping(opened)
+    new = checkpoint_mapping(open_checkpoint(source))
+    assert old.path != new.path
+    norm_old, norm_new = old.tensor("model.norm.weight"), new.tensor("model.norm.weight")
+    assert torch.equal(norm_new, norm_old.flip(0)) and not torch.equal(norm_new, norm_old)
 
 
 def test_an_interrupted_write_leaves_no_file_at_the_path(tmp_path: Path) -> None:

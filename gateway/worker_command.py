@@ -1,0 +1,46 @@
+"""The command line and environment a pool starts its workers with (`python -m gateway.worker`),
+spawned or forked from its template."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from gateway.pool_config import PoolConfig
+from runtime.threads import share_of_cores, thread_env
+
+# The checkout holding runtime/ and gateway/: workers import from it whatever their cwd.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def threads_per_worker(config: PoolConfig) -> int:
+    """CPU threads each worker computes on: the configured count, else this host's cores
+    split evenly among the pool's most workers."""
+    return config.worker_threads or share_of_cores(config.max_workers)
+
+
+def worker_command(config: PoolConfig, worker_id: str, socket_path: str,
+                   ready_socket: str | None) -> list[str]:
+    """gateway.worker's command line for one worker of the pool; `ready_socket`: where it
+    pushes its readiness (gateway/readiness.py)."""
+    cmd = [sys.executable, "-m", "gateway.worker", "--socket", socket_path,
+           "--worker-id", worker_id, "--served-model-name", config.model_id,
+           "--max-num-seqs", str(config.max_inflight),
+           "--worker-threads", str(threads_per_worker(config))]
+    if ready_socket is not None:
+        cmd += ["--ready-socket", ready_socket]
+    if config.kv_cache_bytes is not None:
+        cmd += ["--kv-cache-bytes", str(config.kv_cache_bytes)]
+    if config.model_path is not None:
+        cmd += ["--model", config.model_path]
+    if config.role != "both":
+        cmd += ["--role", config.role]
+    return cmd + list(config.worker_args)
+
+
+def worker_env(config: PoolConfig) -> dict[str, str]:
+    """This process's environment, with the workers' thread settings, the pool's own variables
+    and this checkout first on PYTHONPATH."""
+    env = {**os.environ, **thread_env(threads_per_worker(config)), **dict(config.worker_env)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+    return env
