@@ -32,6 +32,7 @@ from runtime.model_runner import ModelRunner
 from runtime.models import model_class
 from runtime.models.meta_init import meta_without_init
 from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.platform import platform_for, resolve_device
 from runtime.progress import progress
 from runtime.request_state import RequestState
 from runtime.sampler import Sampler
@@ -39,16 +40,14 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
 from runtime.serving_formats import ServingFormats
-from runtime.threads import apply_num_threads
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("tessera.engine")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    """The compute dtype `name` names; "auto" is the device's platform default."""
+    return getattr(torch, platform_for(device).default_dtype if name == "auto" else name)
 
 
 @dataclass(frozen=True)
@@ -72,10 +71,10 @@ class LLMEngine:
         self.checkpoint = checkpoint
         self.model_config: ModelConfig = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
-        self.device = torch.device(config.device)
+        self.device = torch.device(resolve_device(config.device))
+        self.platform = platform_for(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.num_threads = (apply_num_threads(config.num_threads) if self.device.type == "cpu"
-                            else torch.get_num_threads())
+        self.num_threads = self.platform.compute_threads(config.num_threads)
         self.formats = ServingFormats.resolve(
             str(self.dtype).removeprefix("torch."), prefill_weights=config.prefill_weights,
             decode_weights=config.decode_weights, kv_cache_dtype=config.kv_cache_dtype,

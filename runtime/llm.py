@@ -22,7 +22,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto",
                  kv_cache_bytes: int | None = None, page_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, device: str = "cpu", seed: int = 0,
+                 max_num_batched_tokens: int = 512, device: str = "auto", seed: int = 0,
                  integrity: str = "tags", enable_prefix_caching: bool = True,
                  tenant_page_quota: float = 1.0, kv_cache_dtype: str = "auto",
                  prefill_kv_cache_dtype: str = "auto", prefill_weights: str = "auto",
