@@ -72,6 +72,12 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def engine_state(self) -> RequestState:
+        """The engine's state of an admitted sequence."""
+        assert self.state is not None, "admitted sequences carry their engine state"
+        return self.state
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
