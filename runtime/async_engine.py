@@ -1,9 +1,10 @@
 """An asyncio front for the engine: per-request output streams over a step loop in a thread.
 
 The engine is not thread-safe, so every call into it (add, abort, step) runs on the engine
-thread; asyncio callers submit commands and await their futures. Prompts are tokenized in a
-thread pool before they reach the engine thread, and status reads see the snapshot the loop
-publishes after each pass, so neither waits behind a long step. The worker process wraps this.
+thread; asyncio callers submit commands and await their futures. Prompts are processed
+(runtime/input_processor.py) in a thread pool before they reach the engine thread, and status
+reads see the snapshot the loop publishes after each pass, so neither waits behind a long step.
+The worker process wraps this.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from runtime.engine import EngineStats, LLMEngine
 from runtime.errors import RequestCancelled
 from runtime.heap import release_free_heap
+from runtime.input_processor import ProcessedPrompt, Prompt
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -133,15 +135,16 @@ class AsyncLLM:
         self._commands.put((fn, fut or concurrent.futures.Future()))
         self._wake.set()
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, *,
+    async def generate(self, prompt: Prompt, params: SamplingParams, *,
                        request_id: str | None = None,
                        tenant: str = "default") -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request; leaving the loop early aborts the request."""
         rid = request_id or f"req-{next(self._ids)}"
-        # NOTE: tokenized here, in a pool thread: a megabyte prompt must not stall the step.
-        text, ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
-        stream = self.stream(rid, lambda: self.engine.add_request(rid, ids, params, tenant,
-                                                                   prompt_text=text))
+        # NOTE: processed here, in a pool thread (once: a ProcessedPrompt passes as it is), so
+        # a megabyte prompt never stalls the step; the engine thread admits it unchecked.
+        processed = (prompt if isinstance(prompt, ProcessedPrompt)
+                     else await asyncio.to_thread(self.engine.processor.process, prompt))
+        stream = self.stream(rid, lambda: self.engine.add_request(rid, processed, params, tenant))
         try:
             async for out in stream:
                 yield out

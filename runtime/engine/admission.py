@@ -9,6 +9,7 @@ from runtime.config import ModelConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.errors import ContextLengthExceeded, InvalidArgument, TenantQuotaExceeded
 from runtime.grammar import GrammarCompiler
+from runtime.input_processor import InputProcessor, Prompt
 from runtime.kv.pages import PagePool
 from runtime.request_state import RequestState
 from runtime.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ class Admission:
 
     model_config: ModelConfig
     tokenizer: Tokenizer
+    processor: InputProcessor
     pool: PagePool
     scheduler: Scheduler
     grammars: GrammarCompiler
@@ -30,30 +32,19 @@ class Admission:
     # namespace -> (prefix token ids, tenants allowed to share it)
     shared_prefixes: dict[str, tuple[list[int], frozenset[str]]]
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidArgument("prompt is empty", field="prompt")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-                   for t in ids):
-                raise InvalidArgument(f"prompt token ids must be integers in [0, {vocab})",
-                                      field="prompt")
-            return None, ids
-        raise InvalidArgument(f"prompt must be a string or a list of token ids, "
-                              f"got {type(prompt).__name__}", field="prompt")
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of `prompt`, through the input processor."""
+        p = self.processor.process(prompt)
+        return p.text, p.token_ids
 
-    def declare_shared_prefix(self, namespace: str, prefix: str | list[int],
+    def declare_shared_prefix(self, namespace: str, prefix: Prompt,
                               tenants: list[str]) -> int:
         """Operator-only: let these tenants share the KV of a common prompt prefix (e.g. a
         system prompt). Returns the number of tokens shared (whole pages only)."""
         if not namespace or namespace in tenants:
             raise InvalidArgument("a shared namespace needs its own name, not a tenant's",
                                   field="namespace")
-        _, ids = self.tokenize_prompt(prefix)
+        ids = self.processor.process(prefix).token_ids
         self.shared_prefixes[namespace] = (ids, frozenset(tenants))
         return len(ids) // self.pool.page_size * self.pool.page_size
 
@@ -63,10 +54,12 @@ class Admission:
                 return ns, len(prefix) // self.pool.page_size
         return None, 0
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     tenant: str = "default", *, prompt_text: str | None = None) -> Sequence:
-        """Admit one request. `prompt` is text or token ids; token ids tokenized elsewhere
-        (`tokenize_prompt`, off the engine thread) may bring their text as `prompt_text`."""
+        """Admit one request. `prompt` is a ProcessedPrompt (`self.processor`, run off the
+        engine thread: admitted as it is), or text or token ids, processed here (the offline
+        API's callers, whose thread is the engine's). `prompt_text` overrides the text that
+        outputs carry."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be a SamplingParams", field="params")
         if params.n != 1:  # one sequence per request: runtime.candidates fans n out
@@ -75,8 +68,9 @@ class Admission:
         if request_id in self.requests:
             raise InvalidArgument(f"request id {request_id!r} is already in flight",
                                   field="request_id")
-        text, ids = self.tokenize_prompt(prompt)
-        text = text if prompt_text is None else prompt_text
+        processed = self.processor.process(prompt)
+        ids = processed.token_ids
+        text = processed.text if prompt_text is None else prompt_text
         if not ids:
             raise InvalidArgument("prompt is empty after tokenization", field="prompt")
         if len(ids) >= self.max_model_len:

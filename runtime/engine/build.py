@@ -14,6 +14,7 @@ from runtime.distributed import TensorParallel, TensorParallelIntegrityTracker
 from runtime.errors import InvalidArgument
 from runtime.grammar import GrammarCompiler
 from runtime.heap import release_free_heap
+from runtime.input_processor import InputProcessor
 from runtime.integrity import TRACKERS, NoopIntegrityTracker, TagIntegrityTracker
 from runtime.kv import smoothing
 from runtime.kv.budget import auto_kv_cache_bytes
@@ -49,6 +50,7 @@ class EngineBuild:
     checkpoint: Checkpoint
     model_config: ModelConfig
     tokenizer: Tokenizer
+    processor: InputProcessor
     device: torch.device
     platform: Platform
     dtype: torch.dtype
@@ -75,6 +77,7 @@ class EngineBuild:
         self.checkpoint = checkpoint
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
+        self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size)
         self.device = torch.device(resolve_device(config.device))
         self.platform = platform_for(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
