@@ -39,6 +39,7 @@ class LLMEngine(EngineBuild, Admission, EngineStep, Drivers):
         self._build(checkpoint, config)
         self.requests: dict[str, Sequence] = {}
         self.shared_prefixes: dict[str, tuple[list[int], frozenset[str]]] = {}
+        self._accumulators = {}
 
     @classmethod
     def from_path(cls, model: str | None, config: EngineConfig) -> LLMEngine:

@@ -1,5 +1,10 @@
 """One engine step (nano-vllm's `LLMEngine.step`): schedule, verify the batch's pages, run the
-model, sample, decide who finished, and the outputs; and how a request ends (finish, abort)."""
+model, sample, decide who finished; and how a request ends (finish, abort).
+
+What leaves a step is a delta per request (`EngineCoreOutput`: new token ids, new text); the
+asyncio front takes those (`step_core`) and rebuilds RequestOutputs on its consumers' side,
+while `step` rebuilds them here for callers on this thread (the offline API, drivers, tests).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from runtime.errors import KVIntegrityViolation, TesseraError
 from runtime.grammar import GrammarCompiler
 from runtime.integrity import Violation
 from runtime.model_runner import ModelRunner
-from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.outputs import EngineCoreOutput, OutputAccumulator, RequestOutput
 from runtime.sampler import Sampler
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
@@ -32,12 +37,22 @@ class EngineStep:
     max_model_len: int
     requests: dict[str, Sequence]
     tracker: Tracker
+    # request id -> the outputs `step` and `abort_request` rebuild on this thread
+    _accumulators: dict[str, OutputAccumulator]
 
     def step(self) -> list[RequestOutput]:
+        """One step; each scheduled request's output as of it (see `OutputAccumulator`)."""
+        return [self._accumulate(seq, core) for seq, core in self._step()]
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """One step; what it added to each scheduled request (and the requests it ended)."""
+        return [core for _, core in self._step()]
+
+    def _step(self) -> list[tuple[Sequence, EngineCoreOutput]]:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        failed: list[RequestOutput] = []
+        failed: list[tuple[Sequence, EngineCoreOutput]] = []
         violations = self.tracker.verify_batch([s.seq for s in batch.scheduled])
         if violations:
             failed = self._abort_violations(violations)
@@ -56,7 +71,7 @@ class EngineStep:
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step failed; failing its %d requests", len(batch.scheduled))
             err = TesseraError(f"internal error during step: {type(e).__name__}")
-            return [o for s in batch.scheduled if (o := self.abort_request(s.seq.request_id, err))]
+            return [o for s in batch.scheduled if (o := self._abort(s.seq.request_id, err))]
         finished = []
         for item, token, lp in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
             seq = item.seq
@@ -72,19 +87,34 @@ class EngineStep:
         self.scheduler.postprocess(batch, finished)
         for seq in finished:
             self.requests.pop(seq.request_id, None)
-        return failed + [self._output(item.seq, new_tokens=[token])
+        return failed + [(item.seq, self._core_output(item.seq, [token]))
                          for item, token in zip(samplers, sampled.token_ids, strict=True)]
 
     def abort_request(self, request_id: str,
                       error: TesseraError | None = None) -> RequestOutput | None:
+        """End a request in flight (`error` None: the caller's abort); its final output, or
+        None when it was not in flight."""
+        ended = self._abort(request_id, error)
+        return None if ended is None else self._accumulate(*ended)
+
+    def abort_request_core(self, request_id: str,
+                           error: TesseraError | None = None) -> EngineCoreOutput | None:
+        """`abort_request`, with its last delta for a consumer that accumulates its own."""
+        ended = self._abort(request_id, error)
+        self._accumulators.pop(request_id, None)
+        return None if ended is None else ended[1]
+
+    def _abort(self, request_id: str,
+               error: TesseraError | None) -> tuple[Sequence, EngineCoreOutput] | None:
         seq = self.requests.get(request_id)
         if seq is None:
             return None
         seq.error = error
         self._finish(seq, "abort" if error is None else "error")
-        return self._output(seq)
+        return seq, self._core_output(seq, [])
 
-    def _abort_violations(self, violations: list[Violation]) -> list[RequestOutput]:
+    def _abort_violations(self, violations: list[Violation],
+                          ) -> list[tuple[Sequence, EngineCoreOutput]]:
         """Fail closed: end each affected sequence before anything reads its pages."""
         outs = []
         for v in violations:
@@ -95,7 +125,7 @@ class EngineStep:
                 f"aborted before reading it", page_id=v.page_id, expected_tag=v.expected_tag,
                 found_tag=v.found_tag, cause=v.cause)
             self.scheduler.uncache_pages(v.seq)
-            out = self.abort_request(v.seq.request_id, err)
+            out = self._abort(v.seq.request_id, err)
             if out is not None:
                 outs.append(out)
         return outs
@@ -135,16 +165,43 @@ class EngineStep:
         return (seq.export_kv and seq.finish_reason == "length"
                 and seq.num_tokens < self.max_model_len)
 
-    def _output(self, seq: Sequence, new_tokens: list[int] | None = None) -> RequestOutput:
+    def _core_output(self, seq: Sequence, new_tokens: list[int]) -> EngineCoreOutput:
+        """What this step added to `seq`: `new_tokens`, the text now safe to release, their
+        logprobs, and how it ended, if it did."""
         state = seq.engine_state
-        detok = state.detok
         handed_over = self.hands_over(seq)
-        finished = seq.is_finished and not handed_over
-        delta = detok.flush(finished)
-        completion = CompletionOutput(0, detok.text if finished else detok.text[: detok.emitted],
-                                      list(seq.output_token_ids),
-                                      None if handed_over else seq.finish_reason,
-                                      seq.stop_reason, state.logprobs)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                             seq.is_finished, seq.num_cached_tokens, seq.error, delta,
-                             list(new_tokens or []))
+        text = state.detok.flush(seq.is_finished and not handed_over)
+        logprobs = (None if state.logprobs is None or not new_tokens
+                    else state.logprobs[-len(new_tokens):])
+        return EngineCoreOutput(seq.request_id, new_tokens, text, logprobs, seq.is_finished,
+                                None if handed_over else seq.finish_reason, seq.stop_reason,
+                                seq.num_cached_tokens, seq.error)
+
+    def accumulator_for(self, request_id: str) -> OutputAccumulator:
+        """An accumulator for a request just admitted (or committed from a KV import), holding
+        what it has so far: its consumer adds every later delta to it."""
+        return _accumulator_of(self.requests[request_id])
+
+    def _accumulate(self, seq: Sequence, core: EngineCoreOutput) -> RequestOutput:
+        """`core` added to this thread's accumulator of its request (made from the sequence on
+        its first output); dropped once the request has ended."""
+        acc = self._accumulators.get(core.request_id)
+        if acc is None:
+            acc = self._accumulators[core.request_id] = _accumulator_of(seq, minus=core)
+        if core.finished:
+            del self._accumulators[core.request_id]
+        return acc.add(core)
+
+
+def _accumulator_of(seq: Sequence, minus: EngineCoreOutput | None = None) -> OutputAccumulator:
+    """What `seq` has produced so far (without `minus`, a delta just taken from it)."""
+    state = seq.engine_state
+    tokens, text, logprobs = len(seq.output_token_ids), state.detok.emitted, state.logprobs
+    if minus is not None:
+        tokens -= len(minus.new_token_ids)
+        text -= len(minus.new_text)
+        if logprobs is not None and minus.new_logprobs is not None:
+            logprobs = logprobs[: len(logprobs) - len(minus.new_logprobs)]
+    return OutputAccumulator(seq.request_id, seq.prompt, seq.prompt_token_ids,
+                             seq.output_token_ids[:tokens], state.detok.text[:text],
+                             None if logprobs is None else logprobs[: len(logprobs)])
