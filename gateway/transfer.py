@@ -42,6 +42,7 @@ from runtime.disagg.importer import KVImport
 from runtime.disagg.metrics import TransferCounters
 from runtime.disagg.shm import FrameRing
 from runtime.errors import InvalidArgument, RequestCancelled, TransferDeadlineExceeded
+from runtime.input_processor import ProcessedPrompt
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -111,7 +112,7 @@ class TransferService:
         self._require("prefill", "both")
         rid, tenant = request.request_id, request.tenant or "default"
         params = wire.sampling_params(request.sampling)
-        ids = list(request.token_ids.ids)
+        ids = await asyncio.to_thread(self.engine.processor.process, list(request.token_ids.ids))
         budget = min(request.max_frame_bytes or DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES)
         held: list[KVExport] = []
 
@@ -172,7 +173,7 @@ class TransferService:
 
     async def generate_imported(
             self, request: wpb.ImportGenerateRequest,
-            prompt_of: Callable[[wpb.WorkerGenerateRequest], str | list[int]],
+            prompt_of: Callable[[wpb.WorkerGenerateRequest], ProcessedPrompt],
             time_left_s: float | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Reserve (waiting for pages up to `time_left_s`, the call's deadline, and the transfer
@@ -182,15 +183,14 @@ class TransferService:
         rid, tenant = wreq.request_id, wreq.tenant or "default"
         if not request.prefill_target:
             raise InvalidArgument("no prefill worker named", field="prefill_target")
-        prompt = await asyncio.to_thread(prompt_of, wreq)
-        text, ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
+        prompt = await asyncio.to_thread(prompt_of, wreq)  # processed once, there
         params = wire.sampling_params(wreq.sampling)
         if params.n != 1:  # one KV transfer per request: candidates would need n
             raise InvalidArgument("n > 1 is not served by prefill/decode pools; serve it from "
                                   "a colocated pool", field="n")
         timeout_s = request.transfer_timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
         imp = await self.page_wait.reserve(lambda: KVImport.reserve(
-            self.engine, rid, ids, params, tenant, prompt_text=text, counters=self.imported,
+            self.engine, rid, prompt, params, tenant, counters=self.imported,
             deadline_s=timeout_s), timeout_s, time_left_s)
         self.pending_imports += 1
         cause = "cancelled"
@@ -203,7 +203,8 @@ class TransferService:
                 ring = _ring(budget + RING_SLACK_BYTES)  # one host
             call = self._stub(request.prefill_target).Prefill(
                 wpb.PrefillRequest(request_id=rid, tenant=tenant,
-                                   token_ids=wpb.TokenIds(ids=ids), sampling=wreq.sampling,
+                                   token_ids=wpb.TokenIds(ids=prompt.token_ids),
+                                   sampling=wreq.sampling,
                                    first_page=imp.first_page,
                                    max_frame_bytes=request.max_frame_bytes,
                                    shm_ring=ring.name if ring is not None else ""),

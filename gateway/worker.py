@@ -34,6 +34,7 @@ from runtime.async_engine import AsyncLLM
 from runtime.candidates import generate_candidates
 from runtime.engine_flags import add_engine_flags, engine_config
 from runtime.errors import InvalidArgument, RequestCancelled, TesseraError
+from runtime.input_processor import ProcessedPrompt
 from runtime.loader.checkpoint import Checkpoint
 from runtime.outputs import RequestOutput
 
@@ -140,16 +141,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
-    def _prompt(self, request: wpb.WorkerGenerateRequest) -> str | list[int]:
+    def _prompt(self, request: wpb.WorkerGenerateRequest) -> ProcessedPrompt:
+        """The request's prompt through the engine's input processor (call it off the loop)."""
+        processor = self.engine.processor
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
-            return list(request.token_ids.ids)
+            return processor.process(list(request.token_ids.ids))
         if kind == "chat":
-            messages = [wire.message_dict(m) for m in request.chat.messages]
-            return self.engine.tokenizer.encode_chat(messages)
-        if request.split_special_tokens and request.text:
-            return self.engine.tokenizer.encode(request.text, split_special_tokens=True)
-        return request.text
+            return processor.process_chat([wire.message_dict(m) for m in request.chat.messages])
+        return processor.process(request.text, split_special_tokens=request.split_special_tokens)
 
     async def _inject_fault(self, request_id: str) -> None:
         """Operator drill (--fault-tenant): corrupt this tenant's live request's page table

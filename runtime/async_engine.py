@@ -1,9 +1,10 @@
 """An asyncio front for the engine: per-request output streams over a step loop in a thread.
 
 The engine is not thread-safe, so every call into it (add, abort, step) runs on the engine
-thread; asyncio callers submit commands and await their futures. Prompts are tokenized in a
-thread pool before they reach the engine thread, and status reads see the snapshot the loop
-publishes after each pass, so neither waits behind a long step. The worker process wraps this.
+thread; asyncio callers submit commands and await their futures. Prompts are processed
+(runtime/input_processor.py) in a thread pool before they reach the engine thread, and status
+reads see the snapshot the loop publishes after each pass, so neither waits behind a long step.
+The worker process wraps this.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 from runtime.engine import EngineStats, LLMEngine
 from runtime.errors import RequestCancelled
 from runtime.heap import release_free_heap
-from runtime.outputs import RequestOutput
+from runtime.input_processor import ProcessedPrompt, Prompt
+from runtime.outputs import EngineCoreOutput, OutputAccumulator, RequestOutput
 from runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("tessera.async_engine")
@@ -49,30 +51,31 @@ class Liveness:
 
 
 class _OutputSlot:
-    """One request's outputs on their way to its consumer. A consumer that lags gets the
-    outputs merged (deltas joined, the newest cumulative state kept), so what waits for a
-    stalled client is one output, not one per step."""
+    """One request's outputs on their way to its consumer: the engine thread pushes deltas,
+    the consumer's event loop rebuilds RequestOutputs from them (`OutputAccumulator`, set at
+    admission). A consumer that lags gets the deltas merged, so what waits for a stalled
+    client is one delta, not one per step."""
 
     def __init__(self) -> None:
-        self._pending: RequestOutput | None = None
+        self.accumulator: OutputAccumulator | None = None
+        self._pending: EngineCoreOutput | None = None
         self._ready = asyncio.Event()
 
-    def push(self, out: RequestOutput) -> None:  # on the consumer's event loop
+    def push(self, delta: EngineCoreOutput) -> None:  # on the consumer's event loop
         prev = self._pending
         if prev is not None:
             if prev.finished:
                 return  # nothing follows a final output
-            out.delta_text = prev.delta_text + out.delta_text
-            out.delta_token_ids = prev.delta_token_ids + out.delta_token_ids
-        self._pending = out
+            delta = prev.merge(delta)
+        self._pending = delta
         self._ready.set()
 
     async def get(self) -> RequestOutput:
         await self._ready.wait()
         self._ready.clear()
-        out, self._pending = self._pending, None
-        assert out is not None
-        return out
+        delta, self._pending = self._pending, None
+        assert delta is not None and self.accumulator is not None
+        return self.accumulator.add(delta)
 
 
 class LoopFault(BaseException):
@@ -133,15 +136,16 @@ class AsyncLLM:
         self._commands.put((fn, fut or concurrent.futures.Future()))
         self._wake.set()
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, *,
+    async def generate(self, prompt: Prompt, params: SamplingParams, *,
                        request_id: str | None = None,
                        tenant: str = "default") -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request; leaving the loop early aborts the request."""
         rid = request_id or f"req-{next(self._ids)}"
-        # NOTE: tokenized here, in a pool thread: a megabyte prompt must not stall the step.
-        text, ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
-        stream = self.stream(rid, lambda: self.engine.add_request(rid, ids, params, tenant,
-                                                                   prompt_text=text))
+        # NOTE: processed here, in a pool thread (once: a ProcessedPrompt passes as it is), so
+        # a megabyte prompt never stalls the step; the engine thread admits it unchecked.
+        processed = (prompt if isinstance(prompt, ProcessedPrompt)
+                     else await asyncio.to_thread(self.engine.processor.process, prompt))
+        stream = self.stream(rid, lambda: self.engine.add_request(rid, processed, params, tenant))
         try:
             async for out in stream:
                 yield out
@@ -158,6 +162,7 @@ class AsyncLLM:
 
         def add() -> None:
             admit()
+            slot.accumulator = self.engine.accumulator_for(rid)
             # NOTE: registered only once admitted, so a rejected duplicate id never takes
             # over (or, on the way out, removes) the live request's stream.
             self._streams[rid] = stream
@@ -180,14 +185,14 @@ class AsyncLLM:
             return  # never admitted, or the id now belongs to a newer request
         del self._streams[request_id]
         if abort:
-            self.engine.abort_request(request_id, RequestCancelled("the client went away"))
+            self.engine.abort_request_core(request_id, RequestCancelled("the client went away"))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request if it is in flight; whether it was."""
         return bool(await self.call(lambda: self._abort_and_publish(request_id)))
 
     def _abort_and_publish(self, request_id: str) -> bool:
-        out = self.engine.abort_request(request_id)
+        out = self.engine.abort_request_core(request_id)
         if out is not None:
             self._publish([out])
         return out is not None
@@ -241,7 +246,7 @@ class AsyncLLM:
             return
         self._stepped = True
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step_core()
         except Exception:  # the engine already failed the step's requests; keep serving
             log.exception("engine step raised")
             return
@@ -267,7 +272,7 @@ class AsyncLLM:
             else:
                 fut.set_result(result)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is None:
@@ -277,8 +282,8 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(slot.push, out)
             except RuntimeError:  # the caller's event loop is closed: nobody listens
                 del self._streams[out.request_id]
-                self.engine.abort_request(out.request_id,
-                                          RequestCancelled("the client went away"))
+                self.engine.abort_request_core(out.request_id,
+                                               RequestCancelled("the client went away"))
 
     def _take_snapshot(self) -> EngineSnapshot:
         counters = self.engine.tracker.counters

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from runtime.input_processor import ProcessedPrompt, Prompt
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ def child_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}#{index}"
 
 
-async def generate_candidates(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams,
+async def generate_candidates(llm: AsyncLLM, prompt: Prompt, params: SamplingParams,
                               *, request_id: str, tenant: str = "default",
                               ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(candidate index, output) as each candidate streams, until every one has finished.
@@ -46,8 +47,9 @@ async def generate_candidates(llm: AsyncLLM, prompt: str | list[int], params: Sa
         async for out in llm.generate(prompt, params, request_id=request_id, tenant=tenant):
             yield 0, out
         return
-    # NOTE: tokenized once, in a pool thread; each candidate then only checks the ids.
-    _, ids = await asyncio.to_thread(llm.engine.tokenize_prompt, prompt)
+    # NOTE: processed once, in a pool thread; every candidate is admitted with the same ids.
+    ids = (prompt if isinstance(prompt, ProcessedPrompt)
+           else await asyncio.to_thread(llm.engine.processor.process, prompt))
     events: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
 
     async def run(index: int) -> None:

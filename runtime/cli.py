@@ -70,7 +70,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         reply = ""
         print("bot> ", end="", flush=True)
         try:
-            for out in llm.stream(llm.tokenizer.encode_chat(messages), params):
+            for out in llm.stream(llm.engine.processor.process_chat(messages), params):
                 reply += out.delta_text
                 print(out.delta_text, end="", flush=True)
         except KeyboardInterrupt:  # the stream's own cleanup aborts the request

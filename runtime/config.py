@@ -7,6 +7,7 @@ from typing import Any
 
 from runtime.errors import InvalidArgument, ModelLoadError
 from runtime.formats import KVFormat, WeightFormat
+from runtime.platform import DEVICES
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"  # runtime.platform.DEVICES: auto is CUDA when torch sees it, else CPU
     seed: int = 0
     integrity: str = "tags"
     enable_prefix_caching: bool = True
@@ -187,6 +188,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "cpu", "torch"):
             raise InvalidArgument(f"attention_backend must be auto, cpu or torch, got "
                                   f"{self.attention_backend!r}", field="attention_backend")
+        if self.device.split(":", 1)[0] not in DEVICES:
+            raise InvalidArgument(f"device must be one of {', '.join(DEVICES)}, got "
+                                  f"{self.device!r}", field="device")
         if self.integrity not in ("tags", "off"):
             raise InvalidArgument(f"integrity must be 'tags' or 'off', got {self.integrity!r}",
                                   field="integrity")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from runtime.errors import InvalidArgument, TesseraError
 from runtime.integrity import IntegrityCounters, Violation
 from runtime.kv.cache import KVCacheSpec
+from runtime.platform import platform_for, resolve_device
 from runtime.sequence import Sequence
 
 
@@ -38,11 +39,12 @@ class TensorParallelDesync(TesseraError):
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str,
-                         backend: str | None = None) -> None:
+                         backend: str | None = None, device: str = "auto") -> None:
     """Join the process group that one engine's ranks share. `init_method` is a torch.distributed
     URL (`file:///tmp/x`, `tcp://host:port`, or `env://` under torchrun); `backend` defaults to
-    NCCL when CUDA is present, else gloo."""
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    the platform's of `device` (runtime/platform.py: NCCL on CUDA, gloo on CPU; `auto`: CUDA
+    when present)."""
+    backend = backend or platform_for(resolve_device(device)).distributed_backend
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
 
 

@@ -49,6 +49,8 @@ FLAGS: tuple[Flag, ...] = (
          _DEFAULTS.tenant_page_quota, float),
     Flag("integrity", "page tag and owner check before every step", _DEFAULTS.integrity,
          choices=("tags", "off")),
+    Flag("device", "where the engine computes: cpu, cuda (or cuda:N), auto (CUDA when torch "
+         "sees a CUDA device, else CPU)", _DEFAULTS.device),
     Flag("attention-backend", "attention kernels: cpu (the C++ CPU ops and fused decode "
          "step), torch (the torch reference, any device), auto (cpu on CPU)",
          _DEFAULTS.attention_backend, choices=("auto", "cpu", "torch")),
@@ -134,6 +136,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                         tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
+                        device=getattr(args, "device", _DEFAULTS.device),
                         attention_backend=getattr(args, "attention_backend", "auto"),
                         gguf_weights=getattr(args, "gguf_weights", "auto"),
                         gguf_activations=getattr(args, "gguf_activations", "auto"),

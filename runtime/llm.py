@@ -11,18 +11,17 @@ from runtime.candidates import child_id, child_params, merge
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.errors import InvalidArgument
+from runtime.input_processor import ProcessedPrompt, Prompt
 from runtime.memory import MemoryFootprint, measure_memory
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
-
-Prompt = str | list[int]
 
 
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto",
                  kv_cache_bytes: int | None = None, page_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, device: str = "cpu", seed: int = 0,
+                 max_num_batched_tokens: int = 512, device: str = "auto", seed: int = 0,
                  integrity: str = "tags", enable_prefix_caching: bool = True,
                  tenant_page_quota: float = 1.0, kv_cache_dtype: str = "auto",
                  prefill_kv_cache_dtype: str = "auto", prefill_weights: str = "auto",
@@ -82,8 +81,8 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, tenant: str = "default") -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, ProcessedPrompt)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
@@ -94,24 +93,21 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise InvalidArgument(f"{len(params_list)} sampling params for "
                                       f"{len(prompts)} prompts", field="sampling_params")
-        # Validate everything before anything runs: a bad prompt fails the call, not the batch.
-        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
-        for i, (_, token_ids) in enumerate(tokenized):
-            if not token_ids:
+        # Process everything before anything runs: a bad prompt fails the call, not the batch.
+        processed = [self.engine.processor.process(p) for p in prompts]
+        for i, p in enumerate(processed):
+            if not p.token_ids:
                 raise InvalidArgument(f"prompt {i} is empty", field="prompt")
         rids = [f"offline-{next(self._ids)}" for _ in prompts]
         # child id -> (prompt position, candidate index); candidates past 0 wait in `later`
         # until candidate 0 has sampled (its prompt pages are then in the prefix cache).
         order: dict[str, tuple[int, int]] = {}
-        later: dict[str, list[tuple[str, list[int], SamplingParams, str | None]]] = {}
-        for pos, (rid, (text, token_ids), p) in enumerate(
-                zip(rids, tokenized, params_list, strict=True)):
+        later: dict[str, list[tuple[str, ProcessedPrompt, SamplingParams]]] = {}
+        for pos, (rid, prompt, p) in enumerate(zip(rids, processed, params_list, strict=True)):
             for i in range(p.n):
                 order[child_id(rid, i)] = (pos, i)
-            self.engine.add_request(rid, token_ids, child_params(p, 0), tenant=tenant,
-                                    prompt_text=text)
-            later[rid] = [(child_id(rid, i), token_ids, child_params(p, i), text)
-                          for i in range(1, p.n)]
+            self.engine.add_request(rid, prompt, child_params(p, 0), tenant=tenant)
+            later[rid] = [(child_id(rid, i), prompt, child_params(p, i)) for i in range(1, p.n)]
         return self._run(order, later, [p.n for p in params_list], tenant)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
@@ -137,18 +133,18 @@ class LLM:
         """Each conversation rendered with the model's chat template; message contents are
         tokenized as plain text (a "<|im_end|>" in one is text, never a control token)."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.engine.tokenizer.encode_chat(c) for c in convs]  # type: ignore[arg-type]
+        prompts = [self.engine.processor.process_chat(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, tenant=tenant)
 
     def _run(self, order: dict[str, tuple[int, int]],
-             later: dict[str, list[tuple[str, list[int], SamplingParams, str | None]]],
+             later: dict[str, list[tuple[str, ProcessedPrompt, SamplingParams]]],
              counts: list[int], tenant: str) -> list[RequestOutput]:
         results: list[list[RequestOutput | None]] = [[None] * n for n in counts]
         try:
             while any(r is None for rs in results for r in rs):
                 for out in self.engine.step():
-                    for cid, ids, p, text in later.pop(out.request_id, ()):
-                        self.engine.add_request(cid, ids, p, tenant=tenant, prompt_text=text)
+                    for cid, prompt, p in later.pop(out.request_id, ()):
+                        self.engine.add_request(cid, prompt, p, tenant=tenant)
                     if out.finished and out.request_id in order:
                         pos, i = order[out.request_id]
                         results[pos][i] = out

@@ -38,7 +38,7 @@ def resident_bytes(*modules: nn.Module) -> int:
     seen: dict[int, int] = {}
     for module in modules:
         for t in (*module.parameters(), *module.buffers()):
-            if t.device.type != "meta":
+            if not t.is_meta:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 

@@ -17,6 +17,33 @@ if TYPE_CHECKING:  # the engine's side of a request; the scheduler never reads i
 _arrival_counter = itertools.count()
 
 
+class OutputTokenIds(list):
+    """A sequence's output token ids, which only grow: each one appended is also appended to
+    the sequence's `token_ids` (prompt then output), so neither is rebuilt on a read."""
+
+    def __init__(self, all_ids: list[int], ids: list[int]) -> None:
+        super().__init__(ids)
+        self._all = all_ids
+
+    def append(self, token_id: int) -> None:
+        super().append(token_id)
+        self._all.append(token_id)
+
+    def extend(self, ids) -> None:  # type: ignore[override]
+        ids = list(ids)
+        super().extend(ids)
+        self._all.extend(ids)
+
+    def __iadd__(self, ids):  # type: ignore[override]
+        self.extend(ids)
+        return self
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("output token ids only grow (append, extend)")
+
+    insert = pop = remove = clear = sort = reverse = __setitem__ = __delitem__ = _refuse
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -62,6 +89,8 @@ class Sequence:
     max_tokens: int = 0
 
     def __post_init__(self) -> None:
+        self._token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        self.output_token_ids = OutputTokenIds(self._token_ids, self.output_token_ids)
         if self.max_tokens <= 0:
             if self.params.max_tokens is None:
                 raise ValueError("an unset max_tokens must be resolved before the sequence")
@@ -69,11 +98,19 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output ids: one list, grown as outputs are appended (read, never
+        modify it)."""
+        return self._token_ids
+
+    @property
+    def engine_state(self) -> RequestState:
+        """The engine's state of an admitted sequence."""
+        assert self.state is not None, "admitted sequences carry their engine state"
+        return self.state
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -22,6 +22,7 @@ from runtime.disagg.codec import gather_payload, token_bytes_per_layer
 from runtime.disagg.metrics import TransferCounters
 from runtime.engine import LLMEngine
 from runtime.errors import InvalidArgument, KVIntegrityViolation
+from runtime.input_processor import Prompt
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 
@@ -41,7 +42,7 @@ class KVExport:
         self._released = False
 
     @classmethod
-    def start(cls, engine: LLMEngine, request_id: str, prompt: str | list[int],
+    def start(cls, engine: LLMEngine, request_id: str, prompt: Prompt,
               params: SamplingParams, tenant: str = "default", *,
               prompt_text: str | None = None,
               counters: TransferCounters | None = None) -> KVExport:

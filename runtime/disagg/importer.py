@@ -37,6 +37,7 @@ from runtime.errors import (
     TransferDeadlineExceeded,
 )
 from runtime.formats import KV_FORMATS
+from runtime.input_processor import ProcessedPrompt, Prompt
 from runtime.kv.pages import PageRef
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
@@ -71,7 +72,7 @@ class KVImport:
     # -- reservation --------------------------------------------------------------------------
 
     @classmethod
-    def reserve(cls, engine: LLMEngine, request_id: str, prompt: str | list[int],
+    def reserve(cls, engine: LLMEngine, request_id: str, prompt: Prompt,
                 params: SamplingParams, tenant: str = "default", *,
                 prompt_text: str | None = None, counters: TransferCounters | None = None,
                 deadline_s: float | None = None) -> KVImport:
@@ -80,7 +81,8 @@ class KVImport:
         if request_id in engine.requests:
             raise InvalidArgument(f"request id {request_id!r} is already in flight",
                                   field="request_id")
-        text, ids = engine.tokenize_prompt(prompt)
+        processed = engine.processor.process(prompt)  # a ProcessedPrompt passes unchecked
+        text, ids = processed.text, processed.token_ids
         if len(ids) >= engine.max_model_len:
             raise ContextLengthExceeded(
                 f"prompt has {len(ids)} tokens; this model serves at most "
@@ -242,8 +244,10 @@ class KVImport:
             self._fail("stale", "a reserved page changed hands during the transfer")
         self.reserved = [pool.retag(r) for r in self.reserved]
         try:
-            seq = self.engine.add_request(self.request_id, self.prompt_ids, self.params,
-                                          self.tenant, prompt_text=self.prompt_text)
+            # NOTE: the ids `reserve` processed: admitted without a second check.
+            seq = self.engine.add_request(
+                self.request_id, ProcessedPrompt(self.prompt_ids, self.prompt_text), self.params,
+                self.tenant)
         except TesseraError:
             self.abort()
             raise

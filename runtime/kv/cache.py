@@ -25,8 +25,6 @@ per token; int8 as fp8), tags and the prefix cache apply to it unchanged.
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,6 +35,7 @@ from runtime.config import ModelConfig
 from runtime.errors import InvalidArgument
 from runtime.formats import KVFormat, canonical_name
 from runtime.kv.budget import auto_kv_cache_bytes
+from runtime.platform import platform_for
 
 # NOTE: a prompt served from a prefix-cache hit recomputes only its uncached tail, with GEMMs over
 # fewer rows that round differently (~1e-6); re-quantizing that tail's K/V to e4m3 can then land
@@ -150,20 +149,21 @@ class KVCache:
         self.spec = spec
         self.num_pages = num_pages
         self.budget_bytes = spec.bytes_per_page * num_pages  # what sized it (see `within`)
+        zeros = platform_for(device).zeros
         shape = (spec.num_layers, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
-        self.k = _zeros(shape, spec.storage_dtype, device)
+        self.k = zeros(shape, spec.storage_dtype, device)
         self.v: torch.Tensor | None = None
         if not spec.latent:
-            self.v = _zeros(shape, spec.storage_dtype, device)
+            self.v = zeros(shape, spec.storage_dtype, device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         # quantized K/V pages: keys stored as (k - shift) / scale, read by q * scale
         # (runtime/kv/smoothing.py: KeySmoothing, [layers, kv_heads, head_dim]); None: plain.
         self.key_smoothing: KeySmoothing | None = None
         if spec.quantized:
-            self.k_scale = _zeros(shape[:-1], torch.bfloat16, device)
+            self.k_scale = zeros(shape[:-1], torch.bfloat16, device)
             if not spec.latent:
-                self.v_scale = _zeros(shape[:-1], torch.bfloat16, device)
+                self.v_scale = zeros(shape[:-1], torch.bfloat16, device)
 
     @classmethod
     def within(cls, spec: KVCacheSpec, budget_bytes: int | None,
@@ -192,17 +192,3 @@ class KVCache:
             t[index] for t in self.key_smoothing)
         return LayerKV(self.k[index], pick(self.v), pick(self.k_scale), pick(self.v_scale),
                        self.spec.hadamard, *smooth)
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Zeros; on CPU in a private anonymous mapping, whose pages the OS commits only when first
-    written, so an idle engine's resident memory grows with the KV it uses, not its pool.
-    Private: a forked process gets its own copy on write, never a pool shared with its parent
-    (a worker forked from a template process that built this engine)."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    # NOTE: the tensor keeps the mapping alive; it is unmapped when the tensor is freed.
-    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=dtype,
-                            count=math.prod(shape)).view(shape)

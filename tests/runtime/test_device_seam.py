@@ -25,3 +25,58 @@ def test_the_pattern_catches_what_it_is_for():
                  "torch.cuda.synchronize()", "native() is None"):
         assert DEVICE_WORDS.search(line), line
     assert not DEVICE_WORDS.search("x = self.embed_tokens(input_ids)")
+
+
+RUNTIME = MODELS.parent
+# Where a device may be decided freely: attention backends, the checkpoint loaders (which
+# layout a device's kernels read), and the platform classes themselves (counted as one).
+FREE = ("attention", "loader")
+PLATFORM = "platform.py"
+MAX_DECISIONS = 3
+DECISION = re.compile(r"""\bdevice\.type\b|\bis_cuda\b|\bis_cpu\b|torch\.cuda\.|native\(\)"""
+                      r"""|[=!]=\s*["'](cpu|cuda|mps|xpu)["']|["'](nccl|gloo)["']""")
+
+
+def device_decisions(root: Path = RUNTIME) -> list[str]:
+    """Each line of `root` that decides something by device, as "path:line: text", outside
+    FREE; the platform module's lines as one entry."""
+    hits, platform = [], False
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in FREE:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not DECISION.search(line):
+                continue
+            if rel.as_posix() == PLATFORM:
+                platform = True
+            else:
+                hits.append(f"{rel}:{n}: {line.strip()}")
+    return ([f"{PLATFORM}: the platform classes (dtype, threads, KV zeros, distributed backend)"]
+            if platform else []) + hits
+
+
+def test_at_most_three_device_decisions_remain_in_runtime():
+    # NOTE: today: the platform classes and quant/linear.py's two (FP8Linear.dequantize's
+    # compile on CPU, _kernel_fits's CPU-only int4pack layout), which go once the quantized
+    # linears are `tessera` ops.
+    found = device_decisions()
+    assert len(found) <= MAX_DECISIONS, (f"{len(found)} device decisions in runtime/ outside "
+                                         f"{', '.join(FREE)}:\n" + "\n".join(found))
+    assert found[0].startswith(PLATFORM), found
+
+
+def test_the_decision_pattern_catches_planted_examples(tmp_path):
+    planted = ['dtype = torch.bfloat16 if device.type == "cuda" else torch.float32',
+               'if self.weight.device.type == "cpu":', "if w.is_cuda:", "if x.is_cpu:",
+               'backend = "nccl" if torch.cuda.is_available() else "gloo"',
+               'if device == "cuda":', "if native() is None:"]
+    innocent = ['choices=("auto", "cpu", "torch")', "x = x.to(self.device)",
+                'device: str = "auto"']
+    (tmp_path / "platform.py").write_text('kind = "cpu"\nif x.device.type == "cuda": pass\n')
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "cpu.py").write_text(planted[1] + "\n")
+    (tmp_path / "engine.py").write_text("\n".join(planted + innocent) + "\n")
+    found = device_decisions(tmp_path)
+    assert found[0].startswith(PLATFORM)
+    assert [f.split(": ", 1)[1] for f in found[1:]] == planted

@@ -8,11 +8,11 @@ import os
 
 import torch
 
-from runtime.kv.cache import _zeros
+from runtime.platform import platform_for
 
 
 def test_a_forked_child_s_kv_writes_stay_in_the_child() -> None:
-    pool = _zeros((2, 8, 4, 64), torch.bfloat16, "cpu")
+    pool = platform_for("cpu").zeros((2, 8, 4, 64), torch.bfloat16, "cpu")
     pool[0, 0] = 1.0  # a page the parent wrote before the fork
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child

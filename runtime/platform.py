@@ -1,0 +1,99 @@
+"""What differs between device kinds, decided once: one small class per kind (vLLM's
+`platforms/`), and `platform_for(device)`, the one place that looks at a device's type.
+
+A platform gives the compute dtype that `dtype="auto"` means, whether the engine sets torch's
+compute threads, how zeroed KV storage is allocated, and the torch.distributed backend. Kernels
+are not here: they are picked by the `tessera` ops' dispatch (kernels/ops.py) and by the
+attention backend (runtime/attention/). Importing this module does not import torch (the
+gateway and the command line read `DEVICES` to validate flags).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from typing import TYPE_CHECKING, ClassVar
+
+from runtime.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Platform:
+    """One device kind. Stateless: `PLATFORMS` holds one instance per kind."""
+
+    kind: ClassVar[str]
+    default_dtype: ClassVar[str]  # the torch dtype name `dtype="auto"` resolves to
+    distributed_backend: ClassVar[str]  # torch.distributed backend of tensor parallelism
+
+    def compute_threads(self, num_threads: int | None) -> int:
+        """Apply the engine's compute thread count where the device computes on host threads;
+        returns the intra-op thread count now in force."""
+        import torch
+
+        return torch.get_num_threads()
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device | str) -> torch.Tensor:
+        """Zeroed storage of `shape` (KV pages and their scales)."""
+        import torch
+
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class CPUPlatform(Platform):
+    kind = "cpu"
+    default_dtype = "float32"  # bf16 matmuls are slower than fp32 on most CPUs
+    distributed_backend = "gloo"
+
+    def compute_threads(self, num_threads: int | None) -> int:
+        from runtime.threads import apply_num_threads
+
+        return apply_num_threads(num_threads)
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device | str) -> torch.Tensor:
+        """Zeros in a private anonymous mapping, whose pages the OS commits only when first
+        written, so an idle engine's resident memory grows with the KV it uses, not its pool.
+        Private: a forked process gets its own copy on write, never a pool shared with its
+        parent (a worker forked from a template process that built this engine)."""
+        import torch
+
+        nbytes = math.prod(shape) * dtype.itemsize
+        # NOTE: the tensor keeps the mapping alive; it is unmapped when the tensor is freed.
+        pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(pages, dtype=dtype,
+                                count=math.prod(shape)).view(shape)
+
+
+class CUDAPlatform(Platform):
+    kind = "cuda"
+    default_dtype = "bfloat16"
+    distributed_backend = "nccl"
+
+
+PLATFORMS: dict[str, Platform] = {p.kind: p for p in (CPUPlatform(), CUDAPlatform())}
+DEVICES = ("auto", *PLATFORMS)  # EngineConfig.device and --device
+
+
+def resolve_device(name: str) -> str:
+    """`name` itself (a kind, or a kind with an index: "cuda:1"), or for "auto" CUDA when
+    torch sees a CUDA device, else CPU. InvalidArgument for a device kind with no platform."""
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    platform_for(name)
+    return name
+
+
+def platform_for(device: torch.device | str) -> Platform:
+    """The platform of `device` ("cpu", "cuda:0", a torch.device); InvalidArgument for a kind
+    with none (the meta device included: nothing is served there)."""
+    kind = getattr(device, "type", None) or str(device).split(":", 1)[0]
+    platform = PLATFORMS.get(kind)
+    if platform is None:
+        raise InvalidArgument(f"device must be one of {', '.join(DEVICES)}, got {str(device)!r}",
+                              field="device")
+    return platform

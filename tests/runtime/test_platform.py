@@ -1,0 +1,54 @@
+"""Device kinds decided once (runtime/platform.py): `platform_for`, `auto`, and --device."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from runtime.config import EngineConfig
+from runtime.engine import resolve_dtype
+from runtime.engine_flags import add_engine_flags, engine_config
+from runtime.errors import InvalidArgument
+from runtime.platform import CPUPlatform, CUDAPlatform, platform_for, resolve_device
+
+
+def test_auto_is_cuda_exactly_where_torch_sees_a_cuda_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    assert resolve_device("cuda:1") == "cuda:1"
+
+
+def test_each_kind_has_its_dtype_and_distributed_backend():
+    cpu, cuda = platform_for("cpu"), platform_for(torch.device("cuda", 1))
+    assert isinstance(cpu, CPUPlatform) and isinstance(cuda, CUDAPlatform)
+    assert (cpu.default_dtype, cpu.distributed_backend) == ("float32", "gloo")
+    assert (cuda.default_dtype, cuda.distributed_backend) == ("bfloat16", "nccl")
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
+    assert resolve_dtype("float16", torch.device("cpu")) is torch.float16
+
+
+def test_a_device_without_a_platform_is_refused_with_its_field():
+    with pytest.raises(InvalidArgument) as e:
+        EngineConfig(device="tpu")
+    assert e.value.metadata["field"] == "device"
+    with pytest.raises(InvalidArgument):
+        platform_for("meta")
+
+
+def test_cpu_kv_storage_is_zeroed_and_writable():
+    z = platform_for("cpu").zeros((2, 3, 4), torch.bfloat16, "cpu")
+    assert z.shape == (2, 3, 4) and z.dtype is torch.bfloat16 and not z.any()
+    z[1, 2] = 1.5
+    assert z.sum().item() == 6.0
+
+
+def test_the_device_flag_reaches_the_engine_config():
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert engine_config(p.parse_args([])).device == "auto"
+    assert engine_config(p.parse_args(["--device", "cpu"])).device == "cpu"
