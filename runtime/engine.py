@@ -20,7 +20,7 @@ from runtime.errors import (
 )
 from runtime.grammar import GrammarCompiler
 from runtime.heap import release_free_heap
-from runtime.integrity import TRACKERS, Violation
+from runtime.integrity import Violation
 from runtime.kv import smoothing
 from runtime.kv.budget import auto_kv_cache_bytes
 from runtime.kv.cache import KVCache, KVCacheSpec
@@ -119,7 +119,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.prefill_model, self.decode_model, self.kv_cache,
                                   self.device, self.attention)
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
-        self.tracker = TRACKERS[config.integrity](self.pool)
+        self.tracker = self.attention.integrity_tracker(config.integrity, self.pool)
         if self.tp is not None:
             self.tracker = TensorParallelIntegrityTracker(self.tracker, self.tp)
         self.requests: dict[str, Sequence] = {}

@@ -50,8 +50,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("integrity", "page tag and owner check before every step", _DEFAULTS.integrity,
          choices=("tags", "off")),
     Flag("attention-backend", "attention kernels: cpu (the C++ CPU ops and fused decode "
-         "step), torch (the torch reference, any device), auto (cpu on CPU)",
-         _DEFAULTS.attention_backend, choices=("auto", "cpu", "torch")),
+         "step), torch (the torch reference, any device), triton (the Triton kernels: CUDA, "
+         "or CPU under TRITON_INTERPRET=1; the cuda extra), auto (cpu on CPU, triton on CUDA)",
+         _DEFAULTS.attention_backend, choices=("auto", "cpu", "torch", "triton")),
     Flag("kv-cache-dtype", "KV page format ('auto' = the compute dtype; fp8 e4m3 and int8 "
          "store 1 byte per element plus a bf16 scale per token and KV head: ~1.9x the tokens "
          "of bf16; int8 is the more accurate of the two)", "auto",
