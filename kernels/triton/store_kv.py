@@ -17,17 +17,14 @@ _RNE_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def _butterfly(x, ROWS: tl.constexpr, DIM: tl.constexpr, H: tl.constexpr):
-    # one stage of fwht on every row: pairs (a, b) H apart within blocks of 2H -> (a + b, a - b)
-    y = tl.permute(tl.reshape(x, [ROWS, DIM // (2 * H), 2, H]), [0, 1, 3, 2])
-    a, b = tl.split(y)
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, DIM])
-
-
-@triton.jit
 def _fwht(x, inv_sqrt_dim, ROWS: tl.constexpr, DIM: tl.constexpr, LOG2_DIM: tl.constexpr):
+    # each stage on every row: pairs (a, b) H apart within blocks of 2H -> (a + b, a - b).
+    # NOTE: the stage is written inline, not as a jit helper: the interpreter re-patches
+    # triton.language on every nested call, which was most of a store's time there
     for i in tl.static_range(LOG2_DIM):
-        x = _butterfly(x, ROWS, DIM, 1 << i)
+        y = tl.permute(tl.reshape(x, [ROWS, DIM // (2 << i), 2, 1 << i]), [0, 1, 3, 2])
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, DIM])
     return x * inv_sqrt_dim
 
 
