@@ -59,7 +59,12 @@ def _store_rows(x, row_ptrs, scale_ptrs, ok, offs, shift_ptr, divisor_ptr, inv_s
     # x: [ROWS, DIM] (token, head) rows as given; row_ptrs [ROWS, DIM], scale_ptrs [ROWS];
     # ok [ROWS]: rows to write. QUANT: 0 cast to the page dtype, 1 e4m3, 2 int8.
     if QUANT == 0:
-        tl.store(row_ptrs, x.to(row_ptrs.dtype.element_ty), mask=ok[:, None])
+        if row_ptrs.dtype.element_ty == tl.bfloat16:  # rounded to nearest even, as torch
+            x = x.to(tl.float32)
+            bits = tl.where(x != x, 0x7FC0, _bf16_bits(x).to(tl.int32)).to(tl.uint16)
+            tl.store(row_ptrs, bits.to(tl.bfloat16, bitcast=True), mask=ok[:, None])
+        else:
+            tl.store(row_ptrs, x.to(row_ptrs.dtype.element_ty), mask=ok[:, None])
     else:
         x = x.to(tl.float32)
         if HAS_SHIFT:
