@@ -7,8 +7,8 @@ a fault-free run.
 One scenario per format, on a 4-page pool: `a` (17 tokens) and `b` (14) start; `c` (`a`'s first
 page and more) arrives after the first step and hits `a`'s cached page; `b` needs a page on its
 fourth step and the youngest, `c`, is preempted, to resume later from the cache; `a`'s last page
-changes its tag before that step. The interpreter is slow (~1 s per layer and step here), so
-the scenario is short: 5 tokens each, ~8 steps.
+changes its tag before that step. The interpreter is slow (~0.3-1 s per layer and step), so the
+scenario is short: 4 tokens each, 6 steps.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 A = "The history of the Roman empire begins with a small city on the Tiber river in Italy"
 B = "Photosynthesis is the process by which green plants turn light into chemical energy"
 C = A + ", and then"
-PARAMS = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 POOL_PAGES = 4
 FAULT_BEFORE_STEP = 4  # b's first page miss and c's preemption come in this step
 
