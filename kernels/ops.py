@@ -9,7 +9,7 @@ them (a kernel registered for a device key wins over the composite twin there). 
 `torch.ops.tessera.<op>` or the typed wrapper in `kernels/<op>.py`; nobody branches on the
 device. The schemas are device-neutral: tensors in their storage dtypes, no CPU-only argument.
 
-Registering a device's kernel (the Triton kernels of `kernels/triton/` for CUDA)::
+Registering a device's kernel (as `kernels/triton/cuda_ops.py` does for CUDA)::
 
     lib = torch.library.Library("tessera", "IMPL")
     lib.impl("paged_decode_attention", triton_paged_decode_attention, "CUDA")
@@ -42,6 +42,7 @@ from kernels.qgemm_bf16 import ref_bf16_linear, ref_q4_linear_bf16, ref_q8_linea
 from kernels.qgemv import ref_q4_dequantize, ref_q4_linear, ref_q8_dequantize, ref_q8_linear
 from kernels.qgemv_i8 import ref_q4_linear_i8, ref_q8_linear_i8
 from kernels.store_kv import ref_store_rows
+from kernels.triton.cuda_ops import register_cuda_kernels
 from kernels.verify_pages import ref_verify_pages
 
 NAMESPACE = "tessera"
@@ -156,6 +157,11 @@ def _register_native() -> None:
 
 
 on_load(_register_native)
+
+
+# The Triton kernels as CUDA's (kernels/triton/cuda_ops.py), where triton is installed; nothing
+# imports triton until a CUDA tensor reaches one of them.
+register_cuda_kernels()
 
 
 def has_device_kernel(name: str, device: torch.device) -> bool:

@@ -157,7 +157,8 @@ class EngineConfig:
     num_threads: int | None = None  # CPU compute threads; None: as the process has them
     # Ranks of the torch.distributed group one engine spans (runtime/distributed.py).
     tensor_parallel_size: int = 1
-    # runtime.attention.BACKENDS: "cpu", "torch", or "auto" (cpu on CPU, else torch)
+    # runtime.attention.BACKENDS: "cpu", "torch", "triton", or "auto" (cpu on CPU, triton on
+    # CUDA where triton is installed, else torch)
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -185,8 +186,8 @@ class EngineConfig:
         if self.gguf_activations not in ("auto", "int8", "int8x2", "float32", "bf16"):
             raise InvalidArgument(f"gguf_activations must be auto, int8, int8x2, float32 or bf16, "
                                   f"got {self.gguf_activations!r}", field="gguf_activations")
-        if self.attention_backend not in ("auto", "cpu", "torch"):
-            raise InvalidArgument(f"attention_backend must be auto, cpu or torch, got "
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise InvalidArgument(f"attention_backend must be auto, cpu, torch or triton, got "
                                   f"{self.attention_backend!r}", field="attention_backend")
         if self.device.split(":", 1)[0] not in DEVICES:
             raise InvalidArgument(f"device must be one of {', '.join(DEVICES)}, got "

@@ -52,8 +52,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("device", "where the engine computes: cpu, cuda (or cuda:N), auto (CUDA when torch "
          "sees a CUDA device, else CPU)", _DEFAULTS.device),
     Flag("attention-backend", "attention kernels: cpu (the C++ CPU ops and fused decode "
-         "step), torch (the torch reference, any device), auto (cpu on CPU)",
-         _DEFAULTS.attention_backend, choices=("auto", "cpu", "torch")),
+         "step), torch (the torch reference, any device), triton (the Triton kernels: CUDA, "
+         "or CPU under TRITON_INTERPRET=1; the cuda extra), auto (cpu on CPU, triton on CUDA)",
+         _DEFAULTS.attention_backend, choices=("auto", "cpu", "torch", "triton")),
     Flag("kv-cache-dtype", "KV page format ('auto' = the compute dtype; fp8 e4m3 and int8 "
          "store 1 byte per element plus a bf16 scale per token and KV head: ~1.9x the tokens "
          "of bf16; int8 is the more accurate of the two)", "auto",

@@ -24,6 +24,16 @@ from runtime.sequence import Sequence
 _NO_PAGE = PageRef(0, -1, -1)
 
 
+def checked_entries(seq: Sequence) -> list[tuple[PageRef, PageRef]]:
+    """(the page table's entry, what was recorded for it) for every page `seq` reads; a table
+    and record of different lengths are padded with a page that never matches."""
+    table, recorded = seq.page_table, seq.recorded_pages
+    if len(table) != len(recorded):  # a page the allocator never gave, or one lost
+        recorded = recorded + [_NO_PAGE] * (len(table) - len(recorded))
+        table = table + [_NO_PAGE] * (len(recorded) - len(table))
+    return list(zip(table, recorded, strict=True))
+
+
 @dataclass(frozen=True)
 class Violation:
     seq: Sequence
@@ -43,6 +53,14 @@ class IntegrityCounters:
     @property
     def num_mismatches(self) -> int:
         return sum(self.mismatches.values())
+
+    def count(self, pages: int, violations: list[Violation], start_s: float) -> None:
+        """One check of `pages` pages that found `violations`, begun at perf_counter `start_s`."""
+        self.checks_run += 1
+        self.pages_checked += pages
+        for v in violations:
+            self.mismatches[v.cause] += 1
+        self.check_time_s += time.perf_counter() - start_s
 
 
 class TagIntegrityTracker:
@@ -64,11 +82,7 @@ class TagIntegrityTracker:
         owners: list[int] = []
         bounds: list[int] = []
         for seq in seqs:
-            table, recorded = seq.page_table, seq.recorded_pages
-            if len(table) != len(recorded):  # a page the allocator never gave, or one lost
-                recorded = recorded + [_NO_PAGE] * (len(table) - len(recorded))
-                table = table + [_NO_PAGE] * (len(recorded) - len(table))
-            for actual, ref in zip(table, recorded, strict=True):
+            for actual, ref in checked_entries(seq):
                 page_ids.append(actual.page_id)
                 expected_ids.append(ref.page_id)
                 tags.append(ref.tag)
@@ -82,12 +96,7 @@ class TagIntegrityTracker:
             bad = causes.nonzero().flatten().tolist()
             if bad:
                 violations = self._explain(seqs, bounds, bad, causes, page_ids, tags)
-        c = self.counters
-        c.checks_run += 1
-        c.pages_checked += len(page_ids)
-        for v in violations:
-            c.mismatches[v.cause] += 1
-        c.check_time_s += time.perf_counter() - start
+        self.counters.count(len(page_ids), violations, start)
         return violations
 
     def _explain(self, seqs: list[Sequence], bounds: list[int], bad: list[int],

@@ -22,6 +22,7 @@ from kernels.paged_attention import _per_kv_head
 MAX_SPLITS = 64
 _QUANT = {torch.uint8: 1, torch.int8: 2}  # page storage dtype -> kernel KV_QUANT code
 _FLOAT_PAGES = (torch.bfloat16, torch.float16, torch.float32)
+_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _jit() -> Any:
@@ -82,20 +83,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the last of its seq_lens[s] tokens (its cached prefix, then this chunk; causal with that
     offset), whose KV lives in the pages block_table[s, :]. Decode is q_len 1.
 
-    q: [T, heads, dim] bf16/fp16; k_cache, v_cache: [kv_heads, pages, page_size, dim] bf16,
-    fp16, fp32, uint8 (e4m3 bytes) or int8, with k_scale, v_scale [kv_heads, pages, page_size]
-    bf16 for the 1-byte formats; block_table: [S, max_pages] int32/int64; seq_lens: [S];
-    cu_seqlens_q: [S + 1] int32/int64; seq_valid: [S] (0: read no KV, output zeros) or None.
-    hadamard / q_scale / out_scale: the rotation and smoothing of `ref_paged_decode_attention`,
-    applied the same way (queries scaled and rotated before, output rotated back and scaled
-    after the kernel). num_splits > 1: split-K, partials with their log-sum-exp then a merge.
+    q: [T, heads, dim] bf16/fp16/fp32 (fp32: IEEE fp32 products, no tf32); k_cache, v_cache:
+    [kv_heads, pages, page_size, dim] bf16, fp16, fp32, uint8 (e4m3 bytes) or int8, with
+    k_scale, v_scale [kv_heads, pages, page_size] bf16 for the 1-byte formats; block_table: [S,
+    max_pages] int32/int64; seq_lens: [S]; cu_seqlens_q: [S + 1] int32/int64; seq_valid: [S] (0:
+    read no KV, output zeros) or None. hadamard / q_scale / out_scale: the rotation and
+    smoothing of `ref_paged_decode_attention`, applied the same way (queries scaled and rotated
+    before, output rotated back and scaled after the kernel). num_splits > 1: split-K, partials
+    with their log-sum-exp then a merge.
     Returns [T, heads * dim] in out_dtype (default q's dtype), written into `out` when given
     (contiguous, that shape and dtype). workspace: (partials [T, heads, num_splits, dim],
     lse [T, heads, num_splits]) float32 contiguous for split-K, else allocated here (CUDA
     graphs pass preallocated ones). AssertionError on shapes, dtypes or strides.
     """
     paged = _jit()[0]
-    assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), (q.shape, q.dtype)
+    assert q.dim() == 3 and q.dtype in _QUERY_DTYPES, (q.shape, q.dtype)
     tokens, num_heads, dim = q.shape
     quant = _kv_format(k_cache, v_cache, k_scale, v_scale)
     kv_heads, _, page_size, cache_dim = k_cache.shape
@@ -159,7 +161,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_table.stride(0), *o_strides,
         GROUP=group, HEAD_DIM=dim, BLOCK_D=_next_pow2(dim), PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile, KV_QUANT=quant,
-        HAS_VALID=seq_valid is not None, SPLIT=splits > 1, DOT_F32=_interpreted(),
+        HAS_VALID=seq_valid is not None, SPLIT=splits > 1,
+        DOT_F32=_interpreted() or q_dtype == torch.float32,
         num_warps=4, num_stages=2,
     )
     if splits > 1:
@@ -224,12 +227,34 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     dim]; slot_mapping [tokens] (page * page_size + offset; -1 writes nothing); 1-byte pages
     take k_scale / v_scale [kv_heads, pages, page_size] bf16 and optional smoothing
     k_shift, k_divisor, v_divisor [kv_heads, dim] float32."""
+    _kv_format(k_cache, v_cache, k_scale, v_scale)
+    assert v.shape == k.shape and v.stride(-1) == 1, (k.shape, v.shape)
+    _store(k, k_cache, k_scale, slot_mapping, hadamard, k_shift, k_divisor, (v, v_cache,
+                                                                            v_scale, v_divisor))
+
+
+def store_rows(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+               scale: torch.Tensor | None = None, hadamard: bool = False,
+               shift: torch.Tensor | None = None, divisor: torch.Tensor | None = None) -> None:
+    """`ref_store_rows` (the `store_kv_rows` op) for one cache, as `store_kv` does each of K
+    and V: x [tokens, heads, dim] into cache [heads, pages, page_size, dim] at slot_mapping."""
+    _kv_format(cache, cache, scale, scale)
+    _store(x, cache, scale, slot_mapping, hadamard, shift, divisor, None)
+
+
+def _store(k: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+           slot_mapping: torch.Tensor, hadamard: bool, k_shift: torch.Tensor | None,
+           k_divisor: torch.Tensor | None,
+           values: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                         torch.Tensor | None] | None) -> None:
     store = _jit()[1]
-    quant = _kv_format(k_cache, v_cache, k_scale, v_scale)
+    v, v_cache, v_scale, v_divisor = values if values is not None else (k, k_cache, k_scale,
+                                                                         None)
+    quant = _QUANT.get(k_cache.dtype, 0)
     heads, _, page_size, dim = k_cache.shape
     tokens = k.shape[0]
-    assert k.shape == v.shape == (tokens, heads, dim), (k.shape, v.shape, k_cache.shape)
-    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    assert k.shape == (tokens, heads, dim), (k.shape, k_cache.shape)
+    assert k.stride(-1) == 1
     assert slot_mapping.shape == (tokens,), (slot_mapping.shape, tokens)
     if quant == 0:
         assert k_shift is None and k_divisor is None and v_divisor is None, \
@@ -244,16 +269,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ks = k_scale.view(torch.uint16) if k_scale is not None else k_cache
     vs = v_scale.view(torch.uint16) if v_scale is not None else v_cache
     dummy = slot_mapping
-    store.store_kv_kernel[(tokens, heads)](
+    block_t = min(16, _next_pow2(tokens))
+    store.store_kv_kernel[(-(-tokens // block_t), heads)](
         k, v, k_cache, v_cache, ks, vs, slot_mapping,
         k_shift if k_shift is not None else dummy, k_divisor if k_divisor is not None else dummy,
-        v_divisor if v_divisor is not None else dummy, 1.0 / math.sqrt(dim),
+        v_divisor if v_divisor is not None else dummy, 1.0 / math.sqrt(dim), tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         PAGE_SIZE=page_size, DIM=dim, LOG2_DIM=dim.bit_length() - 1, QUANT=quant,
         ROTATE=hadamard and quant != 0, HAS_SHIFT=k_shift is not None,
-        HAS_DIVISOR=k_divisor is not None, HAS_V_DIVISOR=v_divisor is not None, num_warps=1,
+        HAS_DIVISOR=k_divisor is not None, HAS_V_DIVISOR=v_divisor is not None,
+        HAS_V=values is not None, BLOCK_T=block_t, num_warps=4 if block_t > 4 else 1,
     )
 
 

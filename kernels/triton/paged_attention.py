@@ -40,9 +40,10 @@ def _decode_tile(x, KV_QUANT: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, DOT_F32: tl.constexpr):
-    """a @ b with fp32 accumulation. DOT_F32 (the interpreter only): the same products and
-    sums from operands widened to fp32, because triton 3.9's interpreter multiplies bf16
-    operands' raw bits (bf16 x bf16 products are exact in fp32, so the result is the same)."""
+    """a @ b with fp32 accumulation. DOT_F32 (the interpreter, and fp32 queries): the same
+    products and sums from operands widened to fp32 in IEEE precision (no tf32), because
+    triton 3.9's interpreter multiplies bf16 operands' raw bits (bf16 x bf16 products are
+    exact in fp32, so the result is the same)."""
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)

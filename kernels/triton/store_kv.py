@@ -17,17 +17,14 @@ _RNE_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def _butterfly(x, DIM: tl.constexpr, H: tl.constexpr):
-    # one stage of fwht: pairs (a, b) H apart within blocks of 2H -> (a + b, a - b)
-    y = tl.permute(tl.reshape(x, [DIM // (2 * H), 2, H]), [0, 2, 1])
-    a, b = tl.split(y)
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [DIM])
-
-
-@triton.jit
-def _fwht(x, inv_sqrt_dim, DIM: tl.constexpr, LOG2_DIM: tl.constexpr):
+def _fwht(x, inv_sqrt_dim, ROWS: tl.constexpr, DIM: tl.constexpr, LOG2_DIM: tl.constexpr):
+    # each stage on every row: pairs (a, b) H apart within blocks of 2H -> (a + b, a - b).
+    # NOTE: the stage is written inline, not as a jit helper: the interpreter re-patches
+    # triton.language on every nested call, which was most of a store's time there
     for i in tl.static_range(LOG2_DIM):
-        x = _butterfly(x, DIM, 1 << i)
+        y = tl.permute(tl.reshape(x, [ROWS, DIM // (2 << i), 2, 1 << i]), [0, 1, 3, 2])
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, DIM])
     return x * inv_sqrt_dim
 
 
@@ -55,65 +52,80 @@ def _e4m3_code(y):
 
 
 @triton.jit
-def _store_row(x, cache_row_ptr, scale_ptr, offs, shift_ptr, divisor_ptr, inv_sqrt_dim,
-               DIM: tl.constexpr, LOG2_DIM: tl.constexpr, QUANT: tl.constexpr,
-               ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_DIVISOR: tl.constexpr):
-    # x: [DIM] one (token, head) row as given. QUANT: 0 cast to the page dtype, 1 e4m3, 2 int8.
+def _store_rows(x, row_ptrs, scale_ptrs, ok, offs, shift_ptr, divisor_ptr, inv_sqrt_dim,
+                ROWS: tl.constexpr, DIM: tl.constexpr, LOG2_DIM: tl.constexpr,
+                QUANT: tl.constexpr, ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                HAS_DIVISOR: tl.constexpr):
+    # x: [ROWS, DIM] (token, head) rows as given; row_ptrs [ROWS, DIM], scale_ptrs [ROWS];
+    # ok [ROWS]: rows to write. QUANT: 0 cast to the page dtype, 1 e4m3, 2 int8.
     if QUANT == 0:
-        tl.store(cache_row_ptr + offs, x.to(cache_row_ptr.dtype.element_ty))
+        if row_ptrs.dtype.element_ty == tl.bfloat16:  # rounded to nearest even, as torch
+            x = x.to(tl.float32)
+            bits = tl.where(x != x, 0x7FC0, _bf16_bits(x).to(tl.int32)).to(tl.uint16)
+            tl.store(row_ptrs, bits.to(tl.bfloat16, bitcast=True), mask=ok[:, None])
+        else:
+            tl.store(row_ptrs, x.to(row_ptrs.dtype.element_ty), mask=ok[:, None])
     else:
         x = x.to(tl.float32)
         if HAS_SHIFT:
-            x = x - tl.load(shift_ptr + offs)
+            x = x - tl.load(shift_ptr + offs)[None, :]
         if HAS_DIVISOR:
-            x = tl.math.div_rn(x, tl.load(divisor_ptr + offs))
+            x = tl.math.div_rn(x, tl.broadcast_to(tl.load(divisor_ptr + offs)[None, :],
+                                                  [ROWS, DIM]))
         if ROTATE:
-            x = _fwht(x, inv_sqrt_dim, DIM, LOG2_DIM)
+            x = _fwht(x, inv_sqrt_dim, ROWS, DIM, LOG2_DIM)
         qmax = 448.0 if QUANT == 1 else 127.0
         is_nan = x != x
-        amax = tl.max(tl.where(is_nan, 0.0, tl.abs(x)), 0)
-        amax = tl.where(tl.max(is_nan.to(tl.int32), 0) > 0, 0.0, amax)  # nan amax -> 0
+        amax = tl.max(tl.where(is_nan, 0.0, tl.abs(x)), 1)
+        amax = tl.where(tl.max(is_nan.to(tl.int32), 1) > 0, 0.0, amax)  # nan amax -> 0
         amax = tl.minimum(amax, 3.4028234663852886e38)  # inf amax -> float32 max
-        scale_bits = _bf16_bits(tl.maximum(tl.math.div_rn(amax, qmax), 1e-12))
+        scale_bits = _bf16_bits(tl.maximum(tl.math.div_rn(amax, tl.full([ROWS], qmax,
+                                                                         tl.float32)), 1e-12))
         scale = (scale_bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         finite = tl.where(x == float("inf"), 2 * qmax, x)  # torch.nan_to_num's mapping
         finite = tl.where(is_nan, 0.0, tl.where(x == float("-inf"), -2 * qmax, finite))
-        y = tl.math.div_rn(finite, scale)
+        y = tl.math.div_rn(finite, tl.broadcast_to(scale[:, None], [ROWS, DIM]))
         y = tl.minimum(tl.maximum(y, -qmax), qmax)
         if QUANT == 1:
             code = _e4m3_code(y)
         else:
             code = ((y + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int8)
-        tl.store(cache_row_ptr + offs, code)
-        tl.store(scale_ptr, scale_bits)  # scales passed as their uint16 view
+        tl.store(row_ptrs, code, mask=ok[:, None])
+        tl.store(scale_ptrs, scale_bits, mask=ok)  # scales passed as their uint16 view
 
 
 @triton.jit
 def store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
-    k_shift_ptr, k_divisor_ptr, v_divisor_ptr, inv_sqrt_dim,
+    k_shift_ptr, k_divisor_ptr, v_divisor_ptr, inv_sqrt_dim, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ch, stride_cp, stride_co,
     stride_sh, stride_sp,
     PAGE_SIZE: tl.constexpr, DIM: tl.constexpr, LOG2_DIM: tl.constexpr,
     QUANT: tl.constexpr, ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr,
-    HAS_DIVISOR: tl.constexpr, HAS_V_DIVISOR: tl.constexpr,
+    HAS_DIVISOR: tl.constexpr, HAS_V_DIVISOR: tl.constexpr, HAS_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
-    # grid: (tokens, kv_heads); K and V of one (token, head) per program. slot -1: padding.
-    tok = tl.program_id(0).to(tl.int64)
+    # grid: (cdiv(tokens, BLOCK_T), kv_heads); K and V of BLOCK_T tokens of one head per
+    # program. slot -1: padding, written nowhere. HAS_V False: one cache only (the
+    # `store_kv_rows` op), k_* its rows, v_* unused.
     head = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if slot < 0:
-        return
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    ok = slot >= 0
+    slot = tl.where(ok, slot, 0)
     offs = tl.arange(0, DIM)
     page = slot // PAGE_SIZE
     row = head * stride_ch + page * stride_cp + (slot % PAGE_SIZE) * stride_co
     srow = head * stride_sh + page * stride_sp + slot % PAGE_SIZE
-    k = tl.load(k_ptr + tok * stride_kt + head * stride_kh + offs)
-    v = tl.load(v_ptr + tok * stride_vt + head * stride_vh + offs)
-    _store_row(k, k_cache_ptr + row, k_scale_ptr + srow, offs, k_shift_ptr + head * DIM,
-               k_divisor_ptr + head * DIM, inv_sqrt_dim, DIM, LOG2_DIM, QUANT, ROTATE,
-               HAS_SHIFT, HAS_DIVISOR)
-    _store_row(v, v_cache_ptr + row, v_scale_ptr + srow, offs, k_shift_ptr,
-               v_divisor_ptr + head * DIM, inv_sqrt_dim, DIM, LOG2_DIM, QUANT, ROTATE,
-               False, HAS_V_DIVISOR)
+    k = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + offs[None, :],
+                mask=ok[:, None], other=0.0)
+    _store_rows(k, k_cache_ptr + row[:, None] + offs[None, :], k_scale_ptr + srow, ok, offs,
+                k_shift_ptr + head * DIM, k_divisor_ptr + head * DIM, inv_sqrt_dim, BLOCK_T,
+                DIM, LOG2_DIM, QUANT, ROTATE, HAS_SHIFT, HAS_DIVISOR)
+    if HAS_V:
+        v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + offs[None, :],
+                    mask=ok[:, None], other=0.0)
+        _store_rows(v, v_cache_ptr + row[:, None] + offs[None, :], v_scale_ptr + srow, ok,
+                    offs, k_shift_ptr, v_divisor_ptr + head * DIM, inv_sqrt_dim, BLOCK_T, DIM,
+                    LOG2_DIM, QUANT, ROTATE, False, HAS_V_DIVISOR)

@@ -1,9 +1,9 @@
 """Attention backends: a registry from name to a lazily imported backend class.
 
 `cpu`: the C++ CPU kernels and the fused decode step. `torch`: the kernels' torch twins, any
-device, the reference the others are tested against. `auto` picks `cpu` on CPU and `torch`
-elsewhere (until a device registers its own kernels and backend: see docs/DESIGN.md, "Adding
-an attention backend").
+device, the reference the others are tested against. `triton`: the Triton kernels, natively on
+CUDA and in Triton's interpreter on CPU (the `cuda` extra). `auto` picks `cpu` on CPU, `triton`
+on CUDA where triton is installed, else `torch` (docs/DESIGN.md, "Adding a backend").
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import importlib
 
 import torch
 
+from kernels.triton import triton_available
 from runtime.attention.backend import AttentionBackend, BatchLayout
 from runtime.context import ForwardContext
 from runtime.errors import InvalidArgument
@@ -20,6 +21,7 @@ from runtime.errors import InvalidArgument
 BACKENDS: dict[str, str] = {
     "cpu": "runtime.attention.cpu:CPUAttentionBackend",
     "torch": "runtime.attention.pure_torch:TorchAttentionBackend",
+    "triton": "runtime.attention.triton:TritonAttentionBackend",
 }
 CHOICES = ("auto", *BACKENDS)
 
@@ -28,7 +30,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     """`name` itself, or for `auto` the backend of `device`'s kind. InvalidArgument for an
     unknown name."""
     if name == "auto":
-        return "cpu" if device.type == "cpu" else "torch"
+        if device.type == "cpu":
+            return "cpu"
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
     if name not in BACKENDS:
         raise InvalidArgument(f"attention_backend must be one of {', '.join(CHOICES)}, "
                               f"got {name!r}", field="attention_backend")

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from runtime.context import AttentionMetadata, DecodeGroup, PrefillSlice
+from runtime.integrity import TRACKERS
 from runtime.kv.cache import LayerKV
+from runtime.kv.pages import PagePool
 
 
 @dataclass(frozen=True)
@@ -97,3 +99,8 @@ class AttentionBackend:
         """The last layer's hidden states [T, hidden] for an all-decode step run in one call,
         or None where this backend has no fused step for `model` (its layers run instead)."""
         return None
+
+    def integrity_tracker(self, name: str, pool: PagePool) -> object:
+        """The page integrity tracker `name` (runtime/integrity.py TRACKERS) over `pool` for
+        steps on this backend: the host's batched check unless a backend runs its own pass."""
+        return TRACKERS[name](pool)

@@ -15,7 +15,7 @@ from runtime.errors import InvalidArgument
 from runtime.grammar import GrammarCompiler
 from runtime.heap import release_free_heap
 from runtime.input_processor import InputProcessor
-from runtime.integrity import TRACKERS, NoopIntegrityTracker, TagIntegrityTracker
+from runtime.integrity import NoopIntegrityTracker, TagIntegrityTracker
 from runtime.kv import smoothing
 from runtime.kv.budget import auto_kv_cache_bytes
 from runtime.kv.cache import KVCache, KVCacheSpec
@@ -107,7 +107,7 @@ class EngineBuild:
         self.runner = ModelRunner(self.prefill_model, self.decode_model, self.kv_cache,
                                   self.device, self.attention)
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
-        self.tracker = TRACKERS[config.integrity](self.pool)
+        self.tracker = self.attention.integrity_tracker(config.integrity, self.pool)
         if self.tp is not None:
             self.tracker = TensorParallelIntegrityTracker(self.tracker, self.tp)
         self.eos_ids = set(self.model_config.eos_token_ids)

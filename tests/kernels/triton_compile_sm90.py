@@ -24,7 +24,8 @@ def _build(fn, signature: dict[str, str], constexprs: dict[str, object], warps: 
     compile(src, target=TARGET, options={"num_warps": warps})
 
 
-def attention(fmt: str, q: str, split: bool, group: int, dim: int, block_m: int) -> None:
+def attention(fmt: str, q: str, split: bool, group: int, dim: int, block_m: int,
+              dot_f32: bool = False) -> None:
     kv = PTR[fmt]
     quant = {"fp8": 1, "int8": 2}.get(fmt, 0)
     ints = ["num_seqs", "num_heads", "stride_qt", "stride_qh", "stride_kh", "stride_kp",
@@ -38,7 +39,7 @@ def attention(fmt: str, q: str, split: bool, group: int, dim: int, block_m: int)
     _build(paged_attention.paged_attention_kernel, sig, dict(
         GROUP=group, HEAD_DIM=dim, BLOCK_D=dim, PAGE_SIZE=16, BLOCK_M=block_m,
         BLOCK_Q=block_m // group, TILE_N=64 if quant else 32, KV_QUANT=quant, HAS_VALID=True,
-        SPLIT=split, DOT_F32=False), 4)
+        SPLIT=split, DOT_F32=dot_f32), 4)
 
 
 def main() -> int:
@@ -46,6 +47,7 @@ def main() -> int:
                 for q, split, group, dim, bm in [("*bf16", False, 4, 128, 16),
                                                  ("*bf16", True, 8, 64, 16),
                                                  ("*bf16", False, 1, 128, 64)]]
+    variants.append(("int8", "*fp32", True, 4, 64, 16, True))  # fp32 queries: IEEE dots
     for v in variants:
         attention(*v)
         print("ok attention", *v, flush=True)
@@ -61,10 +63,10 @@ def main() -> int:
             "k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
             "k_scale_ptr": "*u16", "v_scale_ptr": "*u16", "slot_ptr": "*i64",
             "k_shift_ptr": "*fp32", "k_divisor_ptr": "*fp32", "v_divisor_ptr": "*fp32",
-            "inv_sqrt_dim": "fp32", **{n: "i32" for n in names}},
+            "inv_sqrt_dim": "fp32", "num_tokens": "i32", **{n: "i32" for n in names}},
             dict(PAGE_SIZE=16, DIM=dim, LOG2_DIM=dim.bit_length() - 1, QUANT=quant,
                  ROTATE=quant != 0, HAS_SHIFT=quant != 0, HAS_DIVISOR=quant != 0,
-                 HAS_V_DIVISOR=quant != 0), 1)
+                 HAS_V_DIVISOR=quant != 0, HAS_V=quant != 2, BLOCK_T=16), 4)
         print("ok store", cache, quant, dim, flush=True)
     _build(verify_pages.verify_pages_kernel, {
         "valid_ptr": "*i32", "cause_ptr": "*i32", "page_table_ptr": "*i64",

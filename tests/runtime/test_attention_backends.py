@@ -26,7 +26,7 @@ def _one_thread(one_torch_thread):
 
 
 def test_registry_names_each_backend_and_auto_picks_cpu_on_cpu():
-    assert sorted(BACKENDS) == ["cpu", "torch"]
+    assert sorted(BACKENDS) == ["cpu", "torch", "triton"]
     assert resolve_backend_name("auto", CPU) == "cpu"
     assert isinstance(make_backend("auto", CPU), CPUAttentionBackend)
     assert isinstance(make_backend("torch", CPU), TorchAttentionBackend)
