@@ -4,6 +4,8 @@ attention however the prompt is cut into chunks, equal to the decode kernel at e
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -66,7 +68,7 @@ def test_prefill_rows_are_the_decode_rows_however_the_prompt_is_chunked(fmt: str
     chunked = torch.cat([paged_prefill_attention(q[a:b], *pages, page_ids, b,
                                                  _causal_mask(a, b) if a else None, 0.125,
                                                  *scales)
-                         for a, b in zip(cuts, cuts[1:], strict=False)])
+                         for a, b in itertools.pairwise(cuts)])
     assert torch.equal(chunked, whole)
     for pos in (0, 15, 16, length - 1):
         decode = paged_decode_attention(q[pos : pos + 1], *pages, page_ids.unsqueeze(0),
