@@ -25,7 +25,7 @@ from kernels.cpu_ops import native
 class BlockProjSpec:
     """A block-weight projection: Q4 (`qs`, `d`, `m`) or Q8 (`qs`, `d`) planes as
     `kernels.qgemv` lays them out, an optional float32 bias, and in how many int8 limbs x goes
-    to the VNNI kernels (`kernels.qgemv_i8`) at up to `int8_max_rows` rows (0: float32 x)."""
+    to the VNNI kernels (`kernels.qgemv_i8`), at every row count (0: float32 x)."""
 
     q8: bool
     limbs: int
@@ -69,13 +69,12 @@ class FusedLlamaDecode:
     """All layers of one decode step. Raises RuntimeError when the C++ ops are not built."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float,
-                 int8_max_rows: int, layers: Sequence[DecodeLayerSpec]) -> None:
+                 layers: Sequence[DecodeLayerSpec]) -> None:
         ops = native()
         if ops is None:
             raise RuntimeError("the C++ CPU ops are not built; the fused decode step needs them")
         self._op = ops.llama_decode_step
-        self._step = torch.classes.tessera.LlamaDecode(heads, kv_heads, head_dim, eps, scale,
-                                                       int8_max_rows)
+        self._step = torch.classes.tessera.LlamaDecode(heads, kv_heads, head_dim, eps, scale)
         for layer in layers:
             self._step.add_layer(layer.input_norm, layer.post_norm, layer.qkv.as_tuple(),
                                  layer.o.as_tuple(), layer.gate_up.as_tuple(),

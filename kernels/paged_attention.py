@@ -182,8 +182,33 @@ def cpu_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 v_scale: torch.Tensor | None = None, hadamard: bool = False,
                                 q_scale: torch.Tensor | None = None,
                                 out_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The CPU kernel of `paged_prefill_attention` (registered where the C++ build loads): the
-    twin, with fp8 rows decoded by the C++ `gather_e4m3_rows` (bit-exact, faster)."""
+    """The CPU kernel of `paged_prefill_attention` (registered where the C++ build loads).
+
+    A causal chunk (mask None from position 0, or the mask offset by the tokens already cached,
+    as `runtime.attention.backend` builds it) with float32 q runs the C++ decode kernel with one
+    query token per row, each over its own context: one serial reduction per (token, KV head),
+    the very operations a decode step runs for that position, so a token's output never
+    depends on how the prompt was cut into chunks or what was cached before it (batch
+    invariance, docs/DESIGN.md). Any other mask or dtype: the twin, with fp8 rows decoded by
+    the C++ `gather_e4m3_rows` (bit-exact, faster)."""
+    chunk, start = q.shape[0], context_len - q.shape[0]
+    if q.dtype == torch.float32 and _causal_from(mask, start, context_len):
+        lens = torch.arange(start + 1, context_len + 1, device=q.device)
+        table = page_ids.reshape(1, -1).expand(chunk, -1).contiguous()
+        return native_ops().paged_decode_attention(q, k_cache, v_cache, table, lens, scale,
+                                                   k_scale, v_scale, hadamard, q_scale,
+                                                   out_scale)
     return ref_paged_prefill_attention(q, k_cache, v_cache, page_ids, context_len, mask, scale,
                                        k_scale, v_scale, hadamard, q_scale, out_scale,
                                        gather=gather_e4m3_rows)
+
+
+def _causal_from(mask: torch.Tensor | None, start: int, context_len: int) -> bool:
+    """Whether `mask` lets row i of a chunk at positions start.. see exactly keys 0..start+i."""
+    if start < 0:
+        return False
+    if mask is None:
+        return start == 0
+    rows = torch.arange(start, context_len, device=mask.device).unsqueeze(1)
+    want = torch.arange(context_len, device=mask.device).unsqueeze(0) <= rows
+    return mask.dtype == torch.bool and mask.shape == want.shape and bool(torch.equal(mask, want))

@@ -34,10 +34,11 @@ struct BlockProj {
     TORCH_CHECK(q8 || m.has_value(), "Q4 planes need their offsets (m)");
   }
 
-  // x: [T, K] float32 contiguous -> [T, N]; BlockLinear.forward's choice of kernel.
-  at::Tensor operator()(const at::Tensor& x, int64_t int8_max_rows) const {
+  // x: [T, K] float32 contiguous -> [T, N]; BlockLinear.forward's choice of kernel, which
+  // never depends on T (batch invariance: docs/DESIGN.md).
+  at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y = at::empty({x.size(0), qs.size(0)}, x.options());
-    const bool i8 = limbs > 0 && x.size(0) <= int8_max_rows;
+    const bool i8 = limbs > 0;
     if (q8) {
       i8 ? q8_linear_i8_out(x, qs, d, y, limbs) : q8_linear_out(x, qs, d, y);
     } else if (i8) {
@@ -62,10 +63,8 @@ struct Layer {
 
 class LlamaDecode : public torch::CustomClassHolder {
  public:
-  LlamaDecode(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
-              int64_t int8_max_rows)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        int8_max_rows_(int8_max_rows) {
+  LlamaDecode(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
     TORCH_CHECK(head_dim % 2 == 0 && heads % kv_heads == 0, "bad attention shape");
   }
 
@@ -92,7 +91,7 @@ class LlamaDecode : public torch::CustomClassHolder {
     OptTensor pending;
     for (const Layer& l : layers_) {
       at::Tensor h = add_rms_norm(x, pending, l.input_norm, eps_);
-      const at::Tensor qkv = l.qkv(h, int8_max_rows_);
+      const at::Tensor qkv = l.qkv(h);
       // q and k heads are adjacent in qkv: rotated together (rotate-half), as RotaryEmbedding.
       at::Tensor qk = qkv.slice(1, 0, qk_size).view({T, heads_ + kv_heads_, D});
       const at::Tensor x1 = qk.slice(2, 0, half), x2 = qk.slice(2, half);
@@ -104,9 +103,9 @@ class LlamaDecode : public torch::CustomClassHolder {
       const at::Tensor attn =
           paged_decode_attention(q, l.k_cache, l.v_cache, page_table, context_lens, scale_,
                                  l.k_scale, l.v_scale, l.hadamard, l.k_divisor, l.v_divisor);
-      h = add_rms_norm(x, l.o(attn, int8_max_rows_), l.post_norm, eps_);
-      const std::vector<at::Tensor> gate_up = l.gate_up(h, int8_max_rows_).chunk(2, -1);
-      pending = l.down(at::silu(gate_up[0]) * gate_up[1], int8_max_rows_);
+      h = add_rms_norm(x, l.o(attn), l.post_norm, eps_);
+      const std::vector<at::Tensor> gate_up = l.gate_up(h).chunk(2, -1);
+      pending = l.down(at::silu(gate_up[0]) * gate_up[1]);
     }
     return pending.has_value() ? x.add_(*pending) : x;
   }
@@ -116,7 +115,6 @@ class LlamaDecode : public torch::CustomClassHolder {
  private:
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
-  int64_t int8_max_rows_;
   std::vector<Layer> layers_;
 };
 
@@ -134,7 +132,7 @@ at::Tensor llama_decode_step(const c10::intrusive_ptr<LlamaDecode>& step, at::Te
 // from Python release the GIL for the step (the worker's gRPC and asyncio threads run beside it).
 TORCH_LIBRARY_FRAGMENT(tessera, m) {
   m.class_<tessera::LlamaDecode>("LlamaDecode")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &tessera::LlamaDecode::add_layer)
       .def("num_layers", &tessera::LlamaDecode::num_layers);
   m.def("llama_decode_step(__torch__.torch.classes.tessera.LlamaDecode step, Tensor(a!) x, "

@@ -69,7 +69,7 @@ def build_fused_decode(model: nn.Module, kv_cache: object) -> FusedLlamaDecode |
     first = model.layers[0].self_attn
     eps = model.layers[0].input_layernorm.eps
     return FusedLlamaDecode(first.num_heads, first.num_kv_heads, first.head_dim, eps,
-                            first.attn.scale, BlockLinear.int8_max_rows, specs)
+                            first.attn.scale, specs)
 
 
 class FusedSteps:

@@ -139,11 +139,13 @@ def resolve_activations(choice: str) -> str:
 class BlockLinear(nn.Module):
     """y = x @ W^T (+ bias) with W held as block planes, never as a dense tensor.
 
-    float32 x on CPU: up to `kernel_max_rows` rows (decode) the float kernel
-    (`kernels.qgemv`: blocks decoded in registers, exact up to summation order), or with
-    `activations="int8"` / `"int8x2"` up to `int8_max_rows` rows the int8-activation kernel
-    (`kernels.qgemv_i8`: x rounded to one int8 limb per block of 32, as llama.cpp does, or to
-    two, the second carrying the first's rounding residual; VNNI dot products). Past that
+    float32 x on CPU: with `activations="int8"` / `"int8x2"` (the default where the CPU has
+    VNNI) the int8-activation kernel at every row count (`kernels.qgemv_i8`: x rounded to one
+    int8 limb per block of 32, as llama.cpp does, or to two, the second carrying the first's
+    rounding residual; VNNI dot products, exact in integers, each output row summed in one
+    order whatever the row count: batch-invariant, docs/DESIGN.md). With "float32", up to
+    `kernel_max_rows` rows (decode) the float kernel (`kernels.qgemv`: blocks decoded in
+    registers, exact up to summation order); past that
     (prefill, mixed steps, large batches) the same float op dequantizes tiles of W into a
     cache-resident buffer and multiplies them by BLAS, never the whole matrix at once (see
     ops/bench/RESULTS.md#weight-kernels). With `activations="bf16"`, past `bf16_min_rows` rows
@@ -155,9 +157,6 @@ class BlockLinear(nn.Module):
     """
 
     kernel_max_rows = 16  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
-    # past 16 rows dequantized tiles + MKL sgemm beat the two-limb int8 tiles (the one-limb
-    # ones only past ~32; one threshold for both; ops/bench/RESULTS.md#weight-kernels)
-    int8_max_rows = 16
     bf16_min_rows = 16  # with "bf16": float32 kernel up to here, bf16 tiles past (RESULTS.md)
     weight = None  # no dense weight; a tied assignment (`lm_head.weight = ...`) is a no-op
 
@@ -204,7 +203,7 @@ class BlockLinear(nn.Module):
             if self.bf16_weight is None:  # NOTE: dropped again by release_cache() when idle
                 self.bf16_weight = self.dequantize(torch.bfloat16)
             y = bf16_linear(x, self.bf16_weight)
-        elif self.int8 and rows <= self.int8_max_rows:
+        elif self.int8:  # NOTE: at every row count, so a row's bits never depend on the batch
             if self.kind == "q4":
                 y = q4_linear_i8(x, self.qs, self.d, self.m, limbs=self.limbs)
             else:

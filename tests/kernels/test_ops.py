@@ -141,7 +141,7 @@ def test_fused_decode_step_traces_on_fake_tensors():
     proj = BlockProjSpec(False, 0, qs, d, m, None)
     kc, vc, _, _ = _pages(torch.float32)
     layer = DecodeLayerSpec(torch.ones(K), torch.ones(K), proj, proj, proj, proj, kc, vc)
-    step = FusedLlamaDecode(H, KVH, D, 1e-5, D**-0.5, 0, [layer])
+    step = FusedLlamaDecode(H, KVH, D, 1e-5, D**-0.5, [layer])
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         x = mode.from_tensor(torch.randn(2, K))
         out = torch.ops.tessera.llama_decode_step(

@@ -134,3 +134,19 @@ def test_bf16_weight_copy_is_made_by_a_many_row_call_and_dropped_by_release(one_
     layer.release_cache()
     assert layer.bf16_weight is None
     assert torch.equal(layer(x), first)  # rebuilt the same
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_int8x2_block_linear_gives_a_row_the_same_bits_at_any_row_count(type_name,
+                                                                         one_torch_thread):
+    # batch invariance (docs/DESIGN.md): no kernel switch by row count on the default path
+    from kernels.qgemv_i8 import int8_kernels_available
+
+    if not int8_kernels_available():
+        pytest.skip("no AVX-512 VNNI on this CPU: float32 activations are the default here")
+    layer = BlockLinear(import_gguf_blocks(random_blocks(70, 18, type_name, seed=5), type_name),
+                        activations="int8x2")
+    x = torch.randn(300, 576)
+    everything = layer(x)
+    for rows in (1, 16, 17, 64, 300):
+        assert torch.equal(layer(x[:rows]), everything[:rows]), rows

@@ -133,8 +133,8 @@ def test_the_default_int8x2_activations_keep_the_dense_greedy_path_and_logits(ll
     logits within ~1e-2."""
     if not int8_kernels_available():
         pytest.skip("no AVX-512 VNNI on this CPU: the default is float32 activations here")
-    # chunks of 16 prefill tokens: the teacher-forced logits below go through the int8 tiles
-    # too (past 16 rows dequantized tiles and BLAS multiply, as for the dense model)
+    # chunks of 16 prefill tokens (the int8 tiles serve every row count; the chunk size only
+    # keeps the teacher-forced steps small)
     default = LLM(kv_cache_bytes=64 << 20, max_num_seqs=16, max_num_batched_tokens=16)
     blocks = [m for m in default.engine.model.modules() if isinstance(m, BlockLinear)]
     assert blocks and all(m.limbs == 2 for m in blocks)
