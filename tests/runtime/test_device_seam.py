@@ -25,3 +25,14 @@ def test_the_pattern_catches_what_it_is_for():
                  "torch.cuda.synchronize()", "native() is None"):
         assert DEVICE_WORDS.search(line), line
     assert not DEVICE_WORDS.search("x = self.embed_tokens(input_ids)")
+
+
+def test_no_quantized_linear_module_mentions_a_device_type():
+    """runtime/quant/ asks the op library which kernels a device has (`has_device_kernel`) and
+    calls the ops; the fp8 dequantize and torch's int4pack matmul are ops with CPU kernels."""
+    quant = MODELS.parent / "quant"
+    hits = [f"{path.name}:{n}: {line.strip()}"
+            for path in sorted(quant.rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if DEVICE_WORDS.search(line)]
+    assert not hits, "device decisions in runtime/quant:\n" + "\n".join(hits)
