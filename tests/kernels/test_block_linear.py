@@ -61,8 +61,9 @@ def test_no_limbs_is_the_float32_kernel_for_every_offset_form():
                        q4_linear(x, qs, scale, None, 128, zeros))
     y = block_linear(x, qs, scale, None, None, 128)
     assert y.shape == (3, 2, N)
-    assert torch.allclose(y.view(6, N), ref_block_linear(x.view(6, K), qs, scale, None, None, 128,
-                                                         0, INT8_MAX_ROWS), rtol=1e-5, atol=1e-5)
+    ref = ref_block_linear(x.view(6, K), qs, scale, None, None, 128, 0, INT8_MAX_ROWS)
+    # float32 sums in another order than the twin's
+    torch.testing.assert_close(y.view(6, N), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
 
 
 def test_int8_limbs_over_planes_without_offsets_are_refused():
