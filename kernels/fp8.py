@@ -13,6 +13,8 @@ range, so nothing overflows to NaN (e4m3fn has no inf) whatever the activations.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -46,3 +48,27 @@ def decode_e4m3_bits(q: torch.Tensor) -> torch.Tensor:
     b = q.view(torch.uint8).to(torch.int32)
     bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
     return bits.view(torch.float32) * _E4M3_TO_F32
+
+
+def ref_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor,
+                       block_of_col: torch.Tensor | None) -> torch.Tensor:
+    """e4m3 weight [out, in] (or its bytes, uint8) -> float32 [out, in]: times `scale` [out] per
+    row, or with `block_of_col` ([in] column -> its block) `scale` [out, blocks] per (row,
+    column block)."""
+    # NOTE: not repeat_interleave: compiled, it gave NaN here (torch 2.13 CPU inductor)
+    if block_of_col is None:
+        return decode_e4m3_bits(q) * scale[:, None]
+    return decode_e4m3_bits(q) * scale.index_select(1, block_of_col)
+
+
+@functools.cache
+def _compiled_fp8_dequantize():
+    return torch.compile(ref_fp8_dequantize, dynamic=False)
+
+
+def cpu_fp8_dequantize(q: torch.Tensor, scale: torch.Tensor,
+                       block_of_col: torch.Tensor | None) -> torch.Tensor:
+    """The CPU kernel: the twin compiled for the weight's static shape (eager, the e4m3 cast
+    is a per-element call on CPU: 4.9-6.4 ms against 0.27-0.29 ms compiled;
+    runtime/quant/linear.py)."""
+    return _compiled_fp8_dequantize()(q, scale, block_of_col)

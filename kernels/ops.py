@@ -30,7 +30,10 @@ from types import SimpleNamespace
 
 import torch
 
+from kernels.block_linear import ref_block_linear
 from kernels.cpu_ops import native, on_load
+from kernels.fp8 import cpu_fp8_dequantize, ref_fp8_dequantize
+from kernels.int4pack import cpu_int4pack_mm, ref_int4pack_mm
 from kernels.kv_fp8 import ref_gather_e4m3_rows
 from kernels.norm import ref_add_rms_norm
 from kernels.paged_attention import (
@@ -38,7 +41,7 @@ from kernels.paged_attention import (
     ref_paged_decode_attention,
     ref_paged_prefill_attention,
 )
-from kernels.qgemm_bf16 import ref_bf16_linear, ref_q4_linear_bf16, ref_q8_linear_bf16
+from kernels.qgemm_bf16 import ref_bf16_linear
 from kernels.qgemv import ref_q4_dequantize, ref_q4_linear, ref_q8_dequantize, ref_q8_linear
 from kernels.qgemv_i8 import ref_q4_linear_i8, ref_q8_linear_i8
 from kernels.store_kv import ref_store_rows
@@ -126,14 +129,20 @@ OPS: tuple[OpDecl, ...] = (
     OpDecl("q8_linear_i8_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out, int limbs=1) -> ()",
            lambda x, qs, d, out, limbs=1: out.copy_(ref_q8_linear_i8(x, qs, d, limbs)),
            _nothing),
-    # bf16 compute over blocks, float32 sums (kernels/qgemm_bf16.py)
-    OpDecl(f"q4_linear_bf16_out({_Q4}, Tensor(a!) out) -> ()",
-           _writes_out(lambda x, qs, d, m, zeros, g: ref_q4_linear_bf16(x, qs, d, m, g, zeros)),
-           _nothing),
-    OpDecl("q8_linear_bf16_out(Tensor x, Tensor qs, Tensor d, Tensor(a!) out) -> ()",
-           _writes_out(ref_q8_linear_bf16), _nothing),
+    # the block linear's one choice of kernel (kernels/block_linear.py)
+    OpDecl(f"block_linear_out({_Q4}, int limbs, Tensor(a!) out) -> ()",
+           _writes_out(ref_block_linear), _nothing),
+    # bf16 x over a bf16 copy of block weights, float32 sums (kernels/qgemm_bf16.py)
     OpDecl("bf16_linear_out(Tensor x, Tensor w, Tensor(a!) out) -> ()",
            _writes_out(ref_bf16_linear), _nothing),
+    # FP8 e4m3 weights as their bytes, uint8 [out, in] -> float32 (kernels/fp8.py)
+    OpDecl("fp8_dequantize(Tensor q, Tensor scale, Tensor? block_of_col) -> Tensor",
+           ref_fp8_dequantize,
+           lambda q, scale, cols: q.new_empty(q.shape, dtype=torch.float32)),
+    # torch's CPU int4pack layout: x bf16 [M, K] -> bf16 [M, N] (kernels/int4pack.py)
+    OpDecl("int4pack_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) "
+           "-> Tensor", ref_int4pack_mm,
+           lambda x, packed, g, sz: x.new_empty(x.shape[0], packed.shape[0])),
     # page integrity: a cause code per recorded (page, tag, owner) (kernels/verify_pages.py)
     OpDecl("verify_pages(Tensor page_ids, Tensor expected_page_ids, Tensor expected_tags, "
            "Tensor expected_owners, Tensor pool_tags, Tensor pool_owners, "
@@ -146,6 +155,9 @@ for _op in OPS:
     _LIB.define(_op.schema)
     _LIB.impl(_op.name, _op.twin, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{_op.name}", _op.fake, lib=_LIB)
+# CPU kernels written in Python over torch's own CPU ops (no C++ build needed)
+_LIB.impl("fp8_dequantize", cpu_fp8_dequantize, "CPU")
+_LIB.impl("int4pack_mm", cpu_int4pack_mm, "CPU")
 
 
 def _register_native() -> None:

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "blocks.h"
 #include "ops.h"
 
 namespace tessera {
@@ -34,18 +35,11 @@ struct BlockProj {
     TORCH_CHECK(q8 || m.has_value(), "Q4 planes need their offsets (m)");
   }
 
-  // x: [T, K] float32 contiguous -> [T, N]; BlockLinear.forward's choice of kernel, which
-  // never depends on T (batch invariance: docs/DESIGN.md).
+  // x: [T, K] float32 contiguous -> [T, N], through the block linear's one choice of kernel,
+  // which never depends on T (batch invariance: docs/DESIGN.md).
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y = at::empty({x.size(0), qs.size(0)}, x.options());
-    const bool i8 = limbs > 0;
-    if (q8) {
-      i8 ? q8_linear_i8_out(x, qs, d, y, limbs) : q8_linear_out(x, qs, d, y);
-    } else if (i8) {
-      q4_linear_i8_out(x, qs, d, *m, y, limbs);
-    } else {
-      q4_linear_out(x, qs, d, m, c10::nullopt, 32, y);
-    }
+    block_linear_out(x, qs, d, m, c10::nullopt, kBlock, limbs, y);
     return bias.has_value() ? y.add_(*bias) : y;
   }
 };

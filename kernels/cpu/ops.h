@@ -27,9 +27,9 @@ void q8_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out,
 at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
                          c10::optional<at::Tensor> zeros, int64_t group_size);
 at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d);
-void q4_linear_bf16_out(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
-                        c10::optional<at::Tensor> zeros, int64_t group_size, at::Tensor out);
-void q8_linear_bf16_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out);
+void block_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
+                      c10::optional<at::Tensor> zeros, int64_t group_size, int64_t limbs,
+                      at::Tensor out);
 void bf16_linear_out(at::Tensor x, at::Tensor w, at::Tensor out);
 bool bf16_gemm_available();
 bool int8_kernels();

@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "blocks.h"
 #include "chunks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -38,8 +39,6 @@
 
 namespace tessera {
 namespace {
-
-constexpr int64_t kBlock = 32;
 
 void check_i8_shapes(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                      const at::Tensor& out, int64_t K) {

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.qgemm_bf16 import bf16_gemm_available, q4_linear_bf16, q8_linear_bf16
+from kernels.qgemm_bf16 import bf16_gemm_available, bf16_linear
 from kernels.qgemv import pack_q4_blocks, q4_dequantize, q4_linear, q8_dequantize, q8_linear
 from kernels.qgemv_i8 import int8_kernels_available, q4_linear_i8, q8_linear_i8
 from runtime.quant.linear import Int4Linear
@@ -46,8 +46,9 @@ def methods(out_f: int, in_f: int, gen: torch.Generator) -> dict[str, Callable]:
         if int8_kernels_available():
             out["q8 kernel, int8 x (VNNI)"] = lambda x: q8_linear_i8(x, q8, d)
             out["q8 kernel, int8x2 x (VNNI)"] = lambda x: q8_linear_i8(x, q8, d, limbs=2)
-        if bf16_gemm_available():
-            out["q8 bf16 tiles"] = lambda x: q8_linear_bf16(x, q8, d)
+        if bf16_gemm_available():  # BlockLinear's bf16 path: a bf16 copy kept while busy
+            w8 = q8_dequantize(q8, d).bfloat16()
+            out["q8 bf16 copy (bf16 x)"] = lambda x: bf16_linear(x, w8)
         out["q8 dequant + F.linear"] = lambda x: F.linear(x, q8_dequantize(q8, d))
         return out
     out["q4 kernel (Q4_1, g32 fp16)"] = lambda x: q4_linear(x, qs, d, m, 32)
@@ -55,7 +56,8 @@ def methods(out_f: int, in_f: int, gen: torch.Generator) -> dict[str, Callable]:
         out["q4 kernel, int8 x (VNNI)"] = lambda x: q4_linear_i8(x, qs, d, m)
         out["q4 kernel, int8x2 x (VNNI)"] = lambda x: q4_linear_i8(x, qs, d, m, limbs=2)
     if bf16_gemm_available():
-        out["q4 bf16 tiles"] = lambda x: q4_linear_bf16(x, qs, d, m, 32)
+        w4 = q4_dequantize(qs, d, m, 32).bfloat16()
+        out["q4 bf16 copy (bf16 x)"] = lambda x: bf16_linear(x, w4)
     out["q4 dequant + F.linear"] = lambda x: F.linear(x, q4_dequantize(qs, d, m, 32))
     ours = Int4Linear.from_float(w, group_size=128, layout="q4_blocks")
     torch_pack = Int4Linear.from_float(w, group_size=128, layout="cpu_int4pack")

@@ -1,5 +1,7 @@
 """Weights kept in 32-weight blocks as a GGUF file stores them (Q4_0, Q4_1, Q8_0): the planes,
-their import from GGUF bytes, and the modules that serve them without a dense copy.
+their import from GGUF bytes, and the modules that serve them without a dense copy. The planes'
+`linear` is the one linear over the block layout: `BlockLinear` and tessera INT4 in the
+"q4_blocks" layout (`runtime.quant.linear.Int4Linear`) both call it.
 
 The planes are `kernels.qgemv`'s layout (it documents it): Q4 `qs` [N, K/2] with fp16 `d`, `m`
 [N, K/32] (w = d*q + m; Q4_0's m = -8d, exact in fp16), Q8 `qs` int8 [N, K] with fp16 `d`.
@@ -19,17 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.block_linear import block_linear
 from kernels.qgemm_bf16 import bf16_linear
 from kernels.qgemv import (
     BLOCK,
     q4_dequantize,
-    q4_linear,
     q8_dequantize,
-    q8_linear,
     ref_q4_dequantize,
     ref_q8_dequantize,
 )
-from kernels.qgemv_i8 import int8_kernels_available, q4_linear_i8, q8_linear_i8
+from kernels.qgemv_i8 import int8_kernels_available
 from runtime.errors import ModelLoadError
 
 # GGUF type name -> (bytes per 32-weight block, plane kind)
@@ -38,12 +39,16 @@ GGUF_BLOCK_TYPES = {"Q4_0": (18, "q4"), "Q4_1": (20, "q4"), "Q8_0": (34, "q8")}
 
 @dataclass
 class BlockPlanes:
-    """One [N, K] weight matrix as block planes (kind "q4": qs, d, m; "q8": qs, d)."""
+    """One [N, K] weight matrix as block planes (kind "q4": qs, d, m; "q8": qs, d). GGUF's Q4
+    planes have `m` and groups of 32; tessera INT4 has groups of `group_size` and, instead of
+    `m`, 4-bit `zeros` (asymmetric) or neither (symmetric), as `kernels.qgemv` lays them out."""
 
     kind: str
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    group_size: int = BLOCK
 
     @property
     def out_features(self) -> int:
@@ -54,19 +59,37 @@ class BlockPlanes:
         return self.qs.shape[1] * (2 if self.kind == "q4" else 1)
 
     def rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockPlanes:
-        """The same planes with `fn` applied to every plane's rows (a row permutation)."""
+        """The same planes with `fn` applied to every plane's rows (a row permutation). Raises
+        ValueError for planes with packed zero points (their nibbles do not follow rows)."""
+        if self.zeros is not None:
+            raise ValueError("planes with packed zero points cannot be permuted by rows")
         return BlockPlanes(self.kind, fn(self.qs), fn(self.d), None if self.m is None
-                           else fn(self.m))
+                           else fn(self.m), group_size=self.group_size)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] (the torch twin: the reference the kernels are tested against)."""
         if self.kind == "q4":
-            assert self.m is not None
-            return ref_q4_dequantize(self.qs, self.d, self.m, BLOCK)
+            return ref_q4_dequantize(self.qs, self.d, self.m, self.group_size, self.zeros)
         return ref_q8_dequantize(self.qs, self.d)
 
+    def to_dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype` through the dequantize ops (the same values as `dequantize`)."""
+        if self.kind == "q4":
+            return q4_dequantize(self.qs, self.d, self.m, self.group_size, self.zeros).to(dtype)
+        return q8_dequantize(self.qs, self.d).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               limbs: int = 0) -> torch.Tensor:
+        """y = x @ W^T (+ bias), x [..., K] -> [..., N]: for float32 x the block linear op
+        (`kernels.block_linear`: int8 limbs of x at every row count when `limbs` > 0,
+        else float32 x, exact up to summation order); other dtypes dequantize and matmul."""
+        if x.dtype != torch.float32:  # the block ops take float32 activations
+            return F.linear(x, self.to_dense(x.dtype), bias)
+        y = block_linear(x, self.qs, self.d, self.m, self.zeros, self.group_size, limbs)
+        return y if bias is None else y + bias
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m)
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m, self.zeros)
                    if t is not None)
 
 
@@ -109,12 +132,14 @@ def import_gguf_blocks(raw: np.ndarray, type_name: str, name: str = "tensor") ->
 
 def cat_planes(parts: list[BlockPlanes]) -> BlockPlanes:
     """Shards stacked along the output rows (fused q/k/v, gate/up); one kind and K only."""
-    kinds = {(p.kind, p.in_features) for p in parts}
+    kinds = {(p.kind, p.in_features, p.group_size) for p in parts}
+    if any(p.zeros is not None for p in parts):
+        raise ValueError("cannot fuse planes with packed zero points")
     if len(kinds) != 1:
         raise ValueError(f"cannot fuse blocks of different kinds or widths: {sorted(kinds)}")
     m = None if parts[0].m is None else torch.cat([p.m for p in parts])  # type: ignore[misc]
     return BlockPlanes(parts[0].kind, torch.cat([p.qs for p in parts]),
-                       torch.cat([p.d for p in parts]), m)
+                       torch.cat([p.d for p in parts]), m, group_size=parts[0].group_size)
 
 
 ACTIVATIONS = ("auto", "int8", "int8x2", "float32", "bf16")
@@ -139,11 +164,12 @@ def resolve_activations(choice: str) -> str:
 class BlockLinear(nn.Module):
     """y = x @ W^T (+ bias) with W held as block planes, never as a dense tensor.
 
-    float32 x on CPU: with `activations="int8"` / `"int8x2"` (the default where the CPU has
-    VNNI) the int8-activation kernel at every row count (`kernels.qgemv_i8`: x rounded to one
-    int8 limb per block of 32, as llama.cpp does, or to two, the second carrying the first's
-    rounding residual; VNNI dot products, exact in integers, each output row summed in one
-    order whatever the row count: batch-invariant, docs/DESIGN.md). With "float32", up to
+    float32 x, through `BlockPlanes.linear`: with `activations="int8"` / `"int8x2"` (the
+    default where the CPU has VNNI) the int8-activation kernel at every row count
+    (`kernels.qgemv_i8`: x rounded to one int8 limb per block of 32, as llama.cpp does, or to
+    two, the second carrying the first's rounding residual; VNNI dot products, exact in
+    integers, each output row summed in one order whatever the row count: batch-invariant,
+    docs/DESIGN.md). With "float32", up to
     `kernel_max_rows` rows (decode) the float kernel (`kernels.qgemv`: blocks decoded in
     registers, exact up to summation order); past that
     (prefill, mixed steps, large batches) the same float op dequantizes tiles of W into a
@@ -151,8 +177,8 @@ class BlockLinear(nn.Module):
     ops/bench/RESULTS.md#weight-kernels). With `activations="bf16"`, past `bf16_min_rows` rows
     x and the weights are rounded to bf16 for the CPU's bf16 GEMM (`kernels.qgemm_bf16`, vLLM-CPU's
     precision), ~4x the float32 GEMM here; the bf16 weights are a copy made on the first such
-    step and kept until `release_cache()` (the engine calls it when idle). Other dtypes or
-    devices: dequantize and matmul.
+    step and kept until `release_cache()` (the engine calls it when idle). Other dtypes:
+    dequantize and matmul.
     Buffers are non-persistent: the planes come from the GGUF file, not from a state dict.
     """
 
@@ -191,28 +217,16 @@ class BlockLinear(nn.Module):
         self.bf16_weight = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if self.kind == "q4":
-            return q4_dequantize(self.qs, self.d, self.m, BLOCK).to(dtype)
-        return q8_dequantize(self.qs, self.d).to(dtype)
+        return self.planes().to_dense(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:  # the block ops take float32 activations
-            return F.linear(x, self.dequantize(x.dtype), self.bias)
         rows = x.numel() // self.in_features
-        if self.bf16 and rows > self.bf16_min_rows:
+        if self.bf16 and x.dtype == torch.float32 and rows > self.bf16_min_rows:
             if self.bf16_weight is None:  # NOTE: dropped again by release_cache() when idle
                 self.bf16_weight = self.dequantize(torch.bfloat16)
             y = bf16_linear(x, self.bf16_weight)
-        elif self.int8:  # NOTE: at every row count, so a row's bits never depend on the batch
-            if self.kind == "q4":
-                y = q4_linear_i8(x, self.qs, self.d, self.m, limbs=self.limbs)
-            else:
-                y = q8_linear_i8(x, self.qs, self.d, limbs=self.limbs)
-        elif self.kind == "q4":
-            y = q4_linear(x, self.qs, self.d, self.m, BLOCK)
-        else:
-            y = q8_linear(x, self.qs, self.d)
-        return y if self.bias is None else y + self.bias
+            return y if self.bias is None else y + self.bias
+        return self.planes().linear(x, self.bias, self.limbs)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -23,34 +23,39 @@ int4 rounding itself) and dequantize-then-matmul beyond it; FP8 dequantizes with
 operations in a compiled function of the weight alone (static shapes, so no recompile per batch
 size) and runs an fp32 matmul: 3x slower than fp32 at one row on CPU, a memory format only here.
 
-Since issue 16, INT4 on CPU with the C++ ops built (and in % 32 == 0) uses the q4 block kernel
-instead (`layout="q4_blocks"`, kernels/cpu/qgemv.cpp): fp32 activations, codes dequantized in
-registers exactly as `dequantize` forms them, any group size with a short last group read with
-its own scale; faster than int4pack at 1, 8 and 32 rows on the model's shapes and as exact as
-the fp32 path (ops/bench/RESULTS.md#weight-kernels). Past `q4_kernel_max_rows` rows the
-same op dequantizes tiles of the weight into a cache-resident buffer and multiplies them by BLAS.
+Since issue 16, INT4 where the device has the block kernel (CPU with the C++ ops built; and
+in % 32 == 0) is held in the q4 block layout instead (`layout="q4_blocks"`) and served by the one
+block linear, `runtime.quant.blocks.BlockPlanes.linear` (the `block_linear_out` op, as GGUF
+blocks are): fp32 activations, codes dequantized in registers exactly as `dequantize` forms
+them, any group size with a short last group read with its own scale; faster than int4pack at
+1, 8 and 32 rows on the model's shapes and as exact as the fp32 path
+(ops/bench/RESULTS.md#weight-kernels). Past 16 rows the same op dequantizes tiles of the weight
+into a cache-resident buffer and multiplies them by BLAS. Which layout a layer gets is asked of
+the op library (`kernels.ops.has_device_kernel`), never of the device's type.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8 import decode_e4m3_bits
+from kernels.int4pack import (
+    KERNEL_BLOCK_N,
+    int4pack_layout_is_known,
+    pack_int4pack,
+    unpack_int4pack,
+)
 from kernels.ops import has_device_kernel
-from kernels.qgemv import BLOCK, pack_q4_blocks, q4_dequantize, q4_linear, unpack_q4_blocks
+from kernels.qgemv import BLOCK, pack_q4_blocks, unpack_q4_blocks
 from runtime.errors import InvalidArgument
+from runtime.quant.blocks import BlockPlanes
 from runtime.quant.fp8 import (
     expand_block_rows,
     quantize_fp8_blockwise,
     quantize_fp8_per_channel,
 )
 from runtime.quant.int4 import best_group_params, quantize_int4_groupwise, quantize_to_codes
-
-_KERNEL_BLOCK_N = 64  # rows interleaved per block in torch's CPU int4pack layout (AVX512 build)
 
 
 class Fp8Linear(nn.Module):
@@ -87,11 +92,9 @@ class Fp8Linear(nn.Module):
         return {"weight": self.weight, "weight_scale": self.weight_scale}
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        # NOTE: not repeat_interleave: compiled, it gave NaN here (torch 2.13 CPU inductor)
-        cols = self.block_of_col
-        if self.weight.device.type == "cpu":
-            return _fp8_dequant_fn()(self.weight, self.weight_scale, cols).to(dtype)
-        return _fp8_dequant(self.weight, self.weight_scale, cols).to(dtype)
+        # the `fp8_dequantize` op: on CPU its twin compiled for this weight (kernels/fp8.py)
+        return torch.ops.tessera.fp8_dequantize(self.weight.view(torch.uint8), self.weight_scale,
+                                                self.block_of_col).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize(x.dtype), self.bias)
@@ -105,14 +108,15 @@ class Int4Linear(nn.Module):
     """y = x @ ((codes - zero) * group scale)^T + bias; zero = 8 when symmetric.
 
     Stored: `weight_packed` uint8 [out, in/2] (two codes a byte, low nibble first; or, by
-    `layout`, "q4_blocks": `kernels.qgemv`'s 32-code blocks, the default on CPU with the C++ ops
-    and in % 32 == 0; "cpu_int4pack": torch's CPU int4pack layout, rows interleaved in blocks),
+    `layout`, "q4_blocks": `kernels.qgemv`'s 32-code blocks, served as `BlockPlanes` (the one
+    block linear, `BlockPlanes.linear`), the default where the device has the block kernel and
+    in % 32 == 0; "cpu_int4pack": torch's CPU int4pack layout, rows interleaved in blocks,
+    the `int4pack_mm` op),
     `weight_scale` bf16 [out, ceil(in/g)] (the last group may be shorter), and when asymmetric
     `weight_zero_point` uint8 [ceil(out*groups/2)], the row-major zeros packed two a byte.
     """
 
     kernel_max_rows = 128  # past this the dequantize-then-matmul path wins (table above)
-    q4_kernel_max_rows = 16  # kernels/cpu/qgemv.cpp kKernelMaxRows: register tiles up to here
 
     def __init__(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                  weight_zero_point: torch.Tensor | None, in_features: int, group_size: int,
@@ -129,7 +133,7 @@ class Int4Linear(nn.Module):
         if self.layout == "q4_blocks":
             weight_packed = pack_q4_blocks(_unpack_rows(weight_packed)[:, :in_features])
         elif self.layout == "cpu_int4pack":
-            weight_packed = _to_kernel_layout(_unpack_rows(weight_packed))
+            weight_packed = pack_int4pack(_unpack_rows(weight_packed))
         self.register_buffer("weight_packed", weight_packed)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_zero_point", weight_zero_point)
@@ -146,7 +150,7 @@ class Int4Linear(nn.Module):
     def codes(self) -> torch.Tensor:
         """uint8 [out, in] in 0..15, whatever the storage layout."""
         if self.layout == "cpu_int4pack":
-            return _from_kernel_layout(self.weight_packed)
+            return unpack_int4pack(self.weight_packed)
         if self.layout == "q4_blocks":
             return unpack_q4_blocks(self.weight_packed)
         return _unpack_rows(self.weight_packed)[:, : self.in_features]
@@ -165,10 +169,15 @@ class Int4Linear(nn.Module):
             out["weight_zero_point"] = self.weight_zero_point
         return out
 
+    def planes(self) -> BlockPlanes:
+        """The "q4_blocks" layout's tensors as block planes (d the group scales, offsets from
+        the zero points or -8 d)."""
+        return BlockPlanes("q4", self.weight_packed, self.weight_scale, None,
+                           self.weight_zero_point, self.group_size)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.layout == "q4_blocks":  # w = (q - zero) * scale, bit for bit (kernels.qgemv)
-            return q4_dequantize(self.weight_packed, self.weight_scale, None, self.group_size,
-                                 self.weight_zero_point).to(dtype)
+            return self.planes().to_dense(dtype)
         g, k = self.group_size, self.in_features
         codes = self.codes().to(torch.float32)
         scale = self.weight_scale.to(torch.float32).repeat_interleave(g, dim=1)[:, :k]
@@ -177,15 +186,13 @@ class Int4Linear(nn.Module):
         return ((codes - offset) * scale).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "q4_blocks":
+            return self.planes().linear(x, self.bias)
         rows = x.numel() // self.in_features
-        if self.layout == "q4_blocks" and x.dtype == torch.float32:
-            y = q4_linear(x, self.weight_packed, self.weight_scale, None, self.group_size,
-                          self.weight_zero_point)
-            return y if self.bias is None else y + self.bias
         if self.layout != "cpu_int4pack" or rows > self.kernel_max_rows:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         kernel_group = _kernel_group_size(self.in_features, self.group_size)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        y = torch.ops.tessera.int4pack_mm(
             x.reshape(rows, self.in_features).to(torch.bfloat16), self.weight_packed,
             kernel_group, self._scales_and_zeros(kernel_group))
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -257,19 +264,6 @@ def _quantize_with_short_group(weight: torch.Tensor, group_size: int, symmetric:
     return codes, scale, zeros
 
 
-def _fp8_dequant(q: torch.Tensor, scale: torch.Tensor,
-                 block_of_col: torch.Tensor | None) -> torch.Tensor:
-    if block_of_col is None:
-        return decode_e4m3_bits(q) * scale[:, None]
-    # per (row, column block): each column reads its block's scale
-    return decode_e4m3_bits(q) * scale.index_select(1, block_of_col)
-
-
-@functools.cache
-def _fp8_dequant_fn():
-    return torch.compile(_fp8_dequant, dynamic=False)
-
-
 def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
     """`pack_int4(codes, torch.uint8)` in two uint8 ops instead of int64 arithmetic."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -284,11 +278,12 @@ INT4_LAYOUTS = ("q4_blocks", "cpu_int4pack", "rows")
 
 def _default_layout(out_features: int, in_features: int, device: torch.device) -> str:
     """The q4 block kernel where the device has one (in % 32 == 0; on CPU faster than torch's
-    int4pack at every row count, ops/bench/RESULTS.md#weight-kernels), else torch's, else
-    plain rows."""
-    if in_features % BLOCK == 0 and has_device_kernel("q4_linear_out", device):
+    int4pack at every row count, ops/bench/RESULTS.md#weight-kernels), else torch's int4pack
+    kernel where the device has it and this build's layout is known, else plain rows."""
+    if in_features % BLOCK == 0 and has_device_kernel("block_linear_out", device):
         return "q4_blocks"
-    if _kernel_fits(out_features, in_features, device):
+    if (out_features % KERNEL_BLOCK_N == 0 and in_features % 32 == 0
+            and has_device_kernel("int4pack_mm", device) and int4pack_layout_is_known()):
         return "cpu_int4pack"
     return "rows"
 
@@ -298,32 +293,3 @@ def _kernel_group_size(in_features: int, group_size: int) -> int:
     while in_features % g:
         g //= 2
     return g
-
-
-def _kernel_fits(out_features: int, in_features: int, device: torch.device) -> bool:
-    return (device.type == "cpu" and out_features % _KERNEL_BLOCK_N == 0
-            and in_features % 32 == 0 and _kernel_layout_is_known())
-
-
-@functools.cache
-def _kernel_layout_is_known() -> bool:
-    """torch's CPU int4pack layout is an implementation detail: use it only if this build packs
-    the way `_from_kernel_layout` decodes (so the weights can always be read back exactly)."""
-    try:
-        codes = torch.randint(0, 16, (2 * _KERNEL_BLOCK_N, 64), dtype=torch.uint8,
-                              generator=torch.Generator().manual_seed(0))
-        return torch.equal(_from_kernel_layout(_to_kernel_layout(codes)), codes)
-    except (RuntimeError, AttributeError):
-        return False
-
-
-def _to_kernel_layout(codes: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-
-
-def _from_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
-    # packed: [n/64 blocks, k, 32] bytes; byte j of (block, col) = row j | row 32+j << 4
-    n, k = packed.shape[0], packed.shape[1] * 2
-    blocks = packed.view(n // _KERNEL_BLOCK_N, k, _KERNEL_BLOCK_N // 2)
-    codes = torch.stack((blocks & 0xF, blocks >> 4), dim=1)  # [n/64, 2, k, 32]
-    return codes.transpose(2, 3).reshape(n, k)

@@ -57,9 +57,7 @@ def device_decisions(root: Path = RUNTIME) -> list[str]:
 
 
 def test_at_most_three_device_decisions_remain_in_runtime():
-    # NOTE: today: the platform classes and quant/linear.py's two (FP8Linear.dequantize's
-    # compile on CPU, _kernel_fits's CPU-only int4pack layout), which go once the quantized
-    # linears are `tessera` ops.
+    # today: the platform classes alone (runtime/quant/ asks the op library instead)
     found = device_decisions()
     assert len(found) <= MAX_DECISIONS, (f"{len(found)} device decisions in runtime/ outside "
                                          f"{', '.join(FREE)}:\n" + "\n".join(found))
@@ -80,3 +78,14 @@ def test_the_decision_pattern_catches_planted_examples(tmp_path):
     found = device_decisions(tmp_path)
     assert found[0].startswith(PLATFORM)
     assert [f.split(": ", 1)[1] for f in found[1:]] == planted
+
+
+def test_no_quantized_linear_module_mentions_a_device_type():
+    """runtime/quant/ asks the op library which kernels a device has (`has_device_kernel`) and
+    calls the ops; the fp8 dequantize and torch's int4pack matmul are ops with CPU kernels."""
+    quant = MODELS.parent / "quant"
+    hits = [f"{path.name}:{n}: {line.strip()}"
+            for path in sorted(quant.rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if DEVICE_WORDS.search(line)]
+    assert not hits, "device decisions in runtime/quant:\n" + "\n".join(hits)
