@@ -82,7 +82,7 @@ def _sample_args() -> dict[str, Callable[[], tuple[object, ...]]]:
         "q8_dequantize": lambda: q8(),
         "q4_linear_i8_out": lambda: (_x(), *q4(), torch.empty(3, N), 2),
         "q8_linear_i8_out": lambda: (_x(), *q8(), torch.empty(3, N), 1),
-        "block_linear_out": lambda: (_x(), *q4(), None, 32, 2, 16, torch.empty(3, N)),
+        "block_linear_out": lambda: (_x(), *q4(), None, 32, 2, torch.empty(3, N)),
         "fp8_dequantize": lambda: (torch.randn(N, K).to(torch.float8_e4m3fn).view(torch.uint8),
                                    torch.rand(N), None),
         "int4pack_mm": lambda: (_x().bfloat16(), pack_int4pack(q4_codes()), 32,
