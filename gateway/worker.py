@@ -213,17 +213,20 @@ def _served(engine, model: str | None, worker_id: str,
 
 
 def _exit_with_parent(socket_path: str, period_s: float = 0.5,
-                      parent_pidfd: int | None = None) -> None:
+                      parent_pidfd: int | None = None, ready_socket: str | None = None) -> None:
     """A worker outlives no gateway, whatever phase it is in (loading, warming up, serving):
-    when its parent goes (even by SIGKILL), it removes its socket, and the gateway's socket
-    folder once empty, and exits. A worker forked from a template (gateway/template_process.py)
+    when its parent goes (even by SIGKILL), it removes its socket and the pool's readiness
+    socket (nobody listens on it any more), and the gateway's socket folder once empty, and
+    exits. A worker forked from a template (gateway/template_process.py)
     watches the gateway through `parent_pidfd` instead: its parent is the template, which may
     go first without taking the worker with it."""
     parent = os.getppid()
 
     def gone() -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(socket_path)
+        for path in (socket_path, ready_socket):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(socket_path))
         os._exit(0)
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None, *, checkpoint: Checkpoint | None = None,
     when it has one for this worker's configuration."""
     configure()
     args = parse_args(argv)
-    _exit_with_parent(args.socket, parent_pidfd=parent_pidfd)
+    _exit_with_parent(args.socket, parent_pidfd=parent_pidfd, ready_socket=args.ready_socket)
     try:
         asyncio.run(serve(args, checkpoint, marks, engine))
     except TesseraError as e:
