@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import shlex
@@ -24,6 +25,7 @@ from gateway.rest.status import GatewayView
 from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
 from runtime.engine_flags import add_engine_flags, engine_argv
+from runtime.extras import require_extra
 from runtime.threads import share_of_cores
 
 log = get_logger("tessera.serve")
@@ -175,6 +177,24 @@ def check_pool_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"tessera serve: {why}")
 
 
+def check_engine_choices(args: argparse.Namespace) -> None:
+    """Exit with one line, before any worker starts, for an engine choice no worker could ever
+    start with (its workers would fail and be restarted until --worker-start-timeout-s): a
+    backend whose extra is missing, CUDA asked of a CPU build of torch. Reads package metadata
+    only: the gateway does not import torch."""
+    if getattr(args, "attention_backend", None) == "triton":
+        require_extra("cuda", "triton", what="attention_backend 'triton'")
+    device = getattr(args, "device", None) or "auto"
+    if device.split(":", 1)[0] == "cuda":
+        try:
+            torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            torch_version = ""
+        if "+cpu" in torch_version:
+            raise SystemExit(f"tessera serve: --device {device}: torch {torch_version} is a CPU "
+                             "build and sees no CUDA device; use --device cpu or auto")
+
+
 def serve_rest(runner: GatewayRunner, host: str = "127.0.0.1", port: int = 8000, *,
                operator_key: str | None = None) -> RestServer:
     """The shim on a started runner's event loop, its status page reading that gateway;
@@ -248,6 +268,7 @@ def _serve(args: argparse.Namespace) -> int:
                            "--http-port": None if args.no_http else args.http_port,
                            "--metrics-port": args.metrics_port})
     check_pool_args(args)
+    check_engine_choices(args)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -285,7 +306,9 @@ def _serve(args: argparse.Namespace) -> int:
             runner.call(rest.stop(grace_s=1), timeout_s=30)
         runner.stop()
         return 0 if done.is_set() else 1
-    print("workers ready", flush=True)
+    print("workers ready" if pool.min_workers > 0 else
+          "workers ready (--min-workers 0: none runs until the first request starts one)",
+          flush=True)
     key_hint = dev_key if dev_key is not None else "YOUR_KEY"
     print("call it:\n  python3 -c \"from gateway.client import Client; "
           f"s = Client('{runner.target}', api_key='{key_hint}').generate('Hello', "

@@ -1,12 +1,13 @@
 """The C++ CPU ops (`kernels/cpu/*.cpp`), built once per machine with torch's cpp_extension.
 
-They are the CPU path's kernels (no GPU kernel exists yet: no Triton): paged decode attention
+They are the CPU path's kernels (the GPU's are Triton, in `kernels/triton/`): paged attention
 read straight from pages in their storage format, the fp8 quantize-and-store, and the e4m3
 row gather that prefill uses. Each has a torch twin (`ref_*`) that is its test oracle and the
 fallback where no C++ compiler exists. Built with `-march=native` for the machine it runs on
 (on x86-64) and OpenMP, so `at::parallel_for` uses torch's threads; the build is named
-after the CPU's feature flags and the sources' contents. `TESSERA_NATIVE=0` turns them off.
-`python -m kernels` builds them ahead of time (`ops/install.sh` does).
+after the CPU's feature flags, the torch it builds against and the sources' contents.
+`TESSERA_NATIVE=0` turns them off. `python -m kernels` builds them ahead of time
+(`ops/install.sh` does).
 """
 
 from __future__ import annotations
@@ -34,16 +35,20 @@ _ROOT = Path(__file__).parent / "cpu"
 
 
 def build_tag() -> str:
-    """Names the build after the CPU's features and the op sources: a cached `-march=native`
-    build from another machine (a shared home directory) would die with an illegal
-    instruction here, and two checkouts with different sources must not load each other's."""
+    """Names the build after the CPU's features, the torch installation and the op sources: a
+    cached `-march=native` build from another machine (a shared home directory) would die with
+    an illegal instruction here, two checkouts with different sources must not load each
+    other's, and two virtual environments with the same sources must not share one build
+    folder (each one's build files name its own torch headers, so they rebuilt it in turn:
+    a minute a start, and a library rewritten under a process loading it)."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    digest = hashlib.sha256(f"{platform.machine()} {flags}".encode())
+    digest = hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__} "
+                            f"{Path(torch.__file__).resolve().parent}".encode())
     for path in sorted(_ROOT.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())

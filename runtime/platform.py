@@ -79,12 +79,19 @@ DEVICES = ("auto", *PLATFORMS)  # EngineConfig.device and --device
 
 def resolve_device(name: str) -> str:
     """`name` itself (a kind, or a kind with an index: "cuda:1"), or for "auto" CUDA when
-    torch sees a CUDA device, else CPU. InvalidArgument for a device kind with no platform."""
+    torch sees a CUDA device, else CPU. InvalidArgument for a device kind with no platform, and
+    for CUDA where torch sees none (before any weight is loaded)."""
     if name == "auto":
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
-    platform_for(name)
+    if platform_for(name).kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidArgument(f"device {name!r}: torch sees no CUDA device here (torch "
+                                  f"{torch.__version__}); use --device cpu or auto",
+                                  field="device")
     return name
 
 

@@ -17,9 +17,20 @@ from runtime.platform import CPUPlatform, CUDAPlatform, platform_for, resolve_de
 def test_auto_is_cuda_exactly_where_torch_sees_a_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device("auto") == "cuda"
+    assert resolve_device("cuda:1") == "cuda:1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == "cpu"
-    assert resolve_device("cuda:1") == "cuda:1"
+
+
+def test_cuda_where_torch_sees_none_is_refused_before_any_weight_loads(monkeypatch):
+    # a new-user trial: --device cuda on a CPU machine loaded the weights, then died in
+    # model.to("cuda") with a traceback
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("cuda", "cuda:1"):
+        with pytest.raises(InvalidArgument, match="sees no CUDA device") as e:
+            resolve_device(name)
+        assert e.value.metadata["field"] == "device"
+    assert resolve_device("cpu") == "cpu"
 
 
 def test_each_kind_has_its_dtype_and_distributed_backend():
