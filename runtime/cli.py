@@ -64,6 +64,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except (EOFError, KeyboardInterrupt):
             print()  # ends the prompt's line, where input() wrote it
             break
+        if not sys.stdin.isatty():
+            print(line)  # piped input is not echoed: without this the reply shares its line
         if not line:
             break
         messages.append({"role": "user", "content": line})

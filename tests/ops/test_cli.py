@@ -37,9 +37,11 @@ def test_chat_answers_a_line_from_stdin_and_quits_on_an_empty_line():
     proc = tessera("chat", "--max-tokens", "24", "--kv-cache-bytes", str(64 << 20),
                    stdin="What is 2+2?\n\n")
     assert proc.returncode == 0, proc.stderr
-    replies = [line for line in proc.stdout.splitlines() if "bot> " in line]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "you> What is 2+2?", proc.stdout  # piped input echoed on its own line
+    replies = [line for line in lines if "bot> " in line]
     assert len(replies) == 1, proc.stdout
-    assert replies[0].split("bot> ", 1)[1].strip()  # a non-empty answer
+    assert replies[0].startswith("bot> ") and replies[0][5:].strip()  # a non-empty answer
     assert proc.stdout.count("you> ") == 2  # asked once more, then the empty line ended it
 
 
