@@ -207,9 +207,9 @@ def _served(engine, model: str | None, worker_id: str,
         engine.checkpoint.revision.split(":")[0].removesuffix(".gguf") if model is None
         else os.path.basename(os.path.normpath(model)))
     f = engine.formats
-    return wire.ServedInfo(name, engine.checkpoint.revision, f.prefill.weights.label,
-                              f.prefill.kv.name, f.decode.weights.label, f.decode.kv.name,
-                              worker_id)
+    prefill, decode = engine.weight_labels
+    return wire.ServedInfo(name, engine.checkpoint.revision, prefill, f.prefill.kv.name,
+                           decode, f.decode.kv.name, worker_id)
 
 
 def _exit_with_parent(socket_path: str, period_s: float = 0.5,

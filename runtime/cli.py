@@ -27,11 +27,12 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
     from runtime import LLM, SamplingParams
 
     llm = LLM.from_config(args.model, engine_config(args))
-    f = llm.serving_formats
     kv_mib = llm.engine.kv_cache_budget_bytes / 2**20
-    print(f"[{llm.kv_capacity_tokens} tokens of {f.kv.name} KV in {kv_mib:.0f} MiB; "
-          f"prefill weights {f.prefill.weights.label}, decode weights "
-          f"{f.decode.weights.label}]", file=sys.stderr)
+    prefill, decode = llm.engine.weight_labels
+    weights = (f"weights {prefill}" if prefill == decode
+               else f"prefill weights {prefill}, decode weights {decode}")
+    print(f"[{llm.kv_capacity_tokens} tokens of {llm.serving_formats.kv.name} KV in "
+          f"{kv_mib:.0f} MiB; {weights}]", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     return llm, params

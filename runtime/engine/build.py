@@ -56,6 +56,7 @@ class EngineBuild:
     dtype: torch.dtype
     num_threads: int
     formats: ServingFormats
+    weight_labels: tuple[str, str]  # (prefill, decode): what the linears really compute with
     tp: TensorParallel | None
     attention: AttentionBackend
     prefill_model: torch.nn.Module
@@ -116,8 +117,7 @@ class EngineBuild:
         log.info("engine ready: %s on %s, %d pages of %d tokens: %d tokens of %s KV at %d bytes "
                  "each; prefill weights %s, decode weights %s", checkpoint.revision, self.device,
                  num_pages, config.page_size, num_pages * config.page_size,
-                 self.formats.kv.name, spec.bytes_per_token, self.formats.prefill.weights.label,
-                 self.formats.decode.weights.label)
+                 self.formats.kv.name, spec.bytes_per_token, *self.weight_labels)
 
     def _build_kv_cache(self) -> KVCacheSpec:
         """The KV pages (`self.kv_cache`), sized by the budget; returns their spec."""
@@ -148,15 +148,23 @@ class EngineBuild:
         else two sharing everything but the linear layers (both resident, both counted)."""
         with meta_without_init():
             model = model_class(self.model_config)(self.model_config)
-        from runtime.loader.gguf_blocks import load_gguf_as_stored, serves_as_stored
+        from runtime.loader.gguf_blocks import (
+            load_gguf_as_stored,
+            serves_as_stored,
+            stored_blocks_label,
+        )
 
         # NOTE: tensor-parallel ranks shard dense weights: blocks are served on one rank only.
         if self.tp is None and serves_as_stored(self.config.gguf_weights, self.checkpoint,
                                                 self.formats, self.dtype, self.device):
             load_gguf_as_stored(model, self.checkpoint, self.dtype,  # type: ignore[arg-type]
                                 self.config.gguf_activations, self.config.mapped_weights)
+            label = stored_blocks_label(self.checkpoint, self.config.gguf_activations)
+            self.weight_labels = (label, label)
             base = model.to(self.device).eval()
             return base, base
+        self.weight_labels = (self.formats.prefill.weights.label,
+                              self.formats.decode.weights.label)
         stored = self.checkpoint.quantization
         tensors = progress(self.checkpoint.tensors(), "load weights", unit="tensors")
         model.load_weights(tensors, self.dtype, quantization=stored)

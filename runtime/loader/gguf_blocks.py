@@ -94,6 +94,17 @@ def serves_as_stored(choice: str, checkpoint: object, formats: ServingFormats,
             and native() is not None)
 
 
+def stored_blocks_label(checkpoint: GGUFCheckpoint, activations: str) -> str:
+    """What a model served as stored computes with, e.g. "gguf-Q8_0+Q4_1-int8x2": the file's
+    block types (in the order first met) and the activations of its block linears,
+    the `gguf_activations` choice, "auto" resolved."""
+    from runtime.quant.blocks import GGUF_BLOCK_TYPES, resolve_activations
+
+    kinds = dict.fromkeys(t.tensor_type.name for t in checkpoint.reader.tensors
+                          if t.tensor_type.name in GGUF_BLOCK_TYPES)
+    return f"gguf-{'+'.join(kinds)}-{resolve_activations(activations)}"
+
+
 def _has_blocks(checkpoint: object) -> bool:
     if not isinstance(checkpoint, GGUFCheckpoint):
         return False

@@ -3,6 +3,8 @@ engine, usage and cached tokens, session affinity, health, reflection and model 
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -100,7 +102,9 @@ def test_final_message_carries_served_configuration(client) -> None:
     served = stream.served
     assert served.model == MODEL  # the id clients use, as in ListModels
     assert served.revision.startswith("SmolLM2-135M-Instruct")
-    assert (served.prefill_weights, served.decode_weights) == ("fp32", "fp32")
+    # the default GGUF is served as its own blocks: the label says so, not "fp32"
+    assert served.prefill_weights == served.decode_weights
+    assert re.fullmatch(r"gguf-(Q\w+\+?)+-(int8x2|float32)", served.decode_weights)
     assert (served.prefill_kv_cache, served.decode_kv_cache) == ("fp32", "fp32")
     assert served.worker_id.startswith(MODEL)
 
