@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.config import ModelConfig
 from runtime.errors import InvalidArgument, TesseraError
 from runtime.integrity import IntegrityCounters, Violation
 from runtime.kv.cache import KVCacheSpec
@@ -38,13 +39,42 @@ class TensorParallelDesync(TesseraError):
     """The ranks of a tensor-parallel group are about to run different batches: fatal."""
 
 
+class TensorParallelGroupLost(BaseException):
+    """A rank of the group failed, left or disagreed (a failed collective, a desync, a dead
+    follower): the whole group stops. A BaseException so that neither a step's nor the engine
+    loop's `except Exception` keeps serving from ranks whose KV no longer agree."""
+
+
+def check_tensor_parallel(model_config: ModelConfig, size: int, device: str) -> None:
+    """Raise InvalidArgument, before any weight is read, for a group this model or host cannot
+    run: more ranks than KV heads (MLA: than query heads, its latent is replicated), or on
+    CUDA more ranks than visible devices. Uneven splits are fine (3 KV heads over 2 ranks:
+    2 + 1)."""
+    if size == 1:
+        return
+    latent = model_config.kv_latent_dim is not None
+    heads = model_config.num_attention_heads if latent else model_config.num_key_value_heads
+    if size > heads:
+        raise InvalidArgument(f"tensor_parallel_size={size} exceeds the model's {heads} "
+                              f"{'attention' if latent else 'KV'} heads",
+                              field="tensor_parallel_size")
+    if platform_for(device).kind == "cuda":
+        visible = torch.cuda.device_count()
+        if size > visible:
+            raise InvalidArgument(f"tensor_parallel_size={size} needs {size} CUDA devices, one "
+                                  f"per rank; torch sees {visible}", field="tensor_parallel_size")
+
+
 def init_tensor_parallel(rank: int, size: int, init_method: str,
                          backend: str | None = None, device: str = "auto") -> None:
     """Join the process group that one engine's ranks share. `init_method` is a torch.distributed
     URL (`file:///tmp/x`, `tcp://host:port`, or `env://` under torchrun); `backend` defaults to
     the platform's of `device` (runtime/platform.py: NCCL on CUDA, gloo on CPU; `auto`: CUDA
     when present)."""
-    backend = backend or platform_for(resolve_device(device)).distributed_backend
+    resolved = resolve_device(device)
+    backend = backend or platform_for(resolved).distributed_backend
+    if backend == "nccl" and ":" in resolved:
+        torch.cuda.set_device(resolved)  # NCCL binds each rank's communicator to its device
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
 
 
