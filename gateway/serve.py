@@ -24,7 +24,7 @@ from gateway.rest.http_server import RestServer
 from gateway.rest.status import GatewayView
 from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
-from gateway.tp_check import check_tensor_parallel_flags
+from gateway.tp_check import check_tensor_parallel_layout, check_tensor_parallel_model
 from runtime.engine_flags import add_engine_flags, engine_argv
 from runtime.extras import require_extra
 from runtime.threads import share_of_cores
@@ -267,6 +267,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     configure()
     keys, dev_key = ApiKeys.load(args.api_keys)
+    check_tensor_parallel_layout(args)
     pool = pool_config(args)
     pools = pool_configs(pool, args)
     # NOTE: every port before any worker starts, so a taken one costs no model load
@@ -275,7 +276,7 @@ def _serve(args: argparse.Namespace) -> int:
                            "--metrics-port": args.metrics_port})
     check_pool_args(args)
     check_engine_choices(args)
-    check_tensor_parallel_flags(args, [*worker_args(args), *(
+    check_tensor_parallel_model(args, [*worker_args(args), *(
         ["--model", args.model] if args.model else [])])
     if args.metrics_port is not None:
         from prometheus_client import start_http_server

@@ -28,20 +28,25 @@ except TesseraError as e:
 """
 
 
-def check_tensor_parallel_flags(args: argparse.Namespace, worker_words: list[str]) -> None:
-    """Exit with one line when `--tp` cannot work with the other flags: below 1, with
-    disaggregated pools (not built yet), more ranks than the model's KV heads, more than the
-    visible CUDA devices, quantized weights (TP splits float weights only). `worker_words`:
-    the engine flags every worker gets (the model included)."""
-    tp = args.tp
-    if tp < 1:
+def check_tensor_parallel_layout(args: argparse.Namespace) -> None:
+    """Exit with one line when `--tp` is below 1 or asked of disaggregated pools (not built
+    yet). Reads flags only."""
+    if args.tp < 1:
         raise SystemExit("tessera serve: --tp must be at least 1")
-    if tp == 1:
-        return
-    if args.prefill_workers > 0:
+    if args.tp > 1 and args.prefill_workers > 0:
         raise SystemExit("tessera serve: --tp works with colocated workers only; disaggregated "
                          "serving (--prefill-workers) does not move KV between "
                          "tensor-parallel groups yet")
+
+
+def check_tensor_parallel_model(args: argparse.Namespace, worker_words: list[str]) -> None:
+    """Exit with one line when the model or host cannot run `--tp` ranks: more ranks than the
+    model's KV heads, than the visible CUDA devices, or quantized weights (TP splits float
+    weights only). `worker_words`: the engine flags every worker gets (the model included).
+    Takes a few seconds (a child process opens the checkpoint); nothing when --tp is 1."""
+    tp = args.tp
+    if tp == 1:
+        return
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p)}

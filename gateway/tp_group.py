@@ -28,6 +28,7 @@ from runtime.engine.tp_inputs import BeginGroup, StepInput, StopGroup, encode
 from runtime.errors import InvalidArgument
 
 if TYPE_CHECKING:
+    from runtime.async_engine import AsyncLLM
     from runtime.engine import LLMEngine
 
 log = get_logger("tessera.tp_group")
@@ -65,7 +66,8 @@ class FollowerGroup:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._pipes: list[int] = []  # write ends, one per follower
         self._lock = threading.Lock()
-        self._stopping = False
+        self._ending = False  # from here on, a follower's exit is expected
+        self._closed = False
 
     def start(self, config: EngineConfig, model: str | None) -> None:
         """Spawn ranks 1..size-1, send each its configuration, and watch them; rank 0 joins
@@ -85,10 +87,6 @@ class FollowerGroup:
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True,
                              name=f"tessera-tp-watch-{rank}").start()
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
-
     def send(self, message: StepInput) -> None:
         """One input to every follower, in the order of the calls (the engine thread's)."""
         frame = encode(message)
@@ -104,17 +102,26 @@ class FollowerGroup:
         except OSError as e:  # the follower is gone; its watcher ends this process
             self._lost(f"a follower's step-input pipe closed ({e.strerror})")
 
+    def stop_with_engine(self, llm: AsyncLLM) -> None:
+        """End this worker once rank 0's engine loop dies (a desync, a failed forward: it
+        raised TensorParallelGroupLost), rather than keep answering health until probed."""
+        def watch() -> None:
+            llm.wait_until_stopped()
+            self._lost(f"rank 0's engine loop ended: {llm.liveness().error}")
+
+        threading.Thread(target=watch, daemon=True, name="tessera-tp-engine-watch").start()
+
     def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
-        if not self._stopping:
+        if not self._ending:
             self._lost(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with {code}")
 
     def _lost(self, why: str) -> None:
         """The group cannot go on: end this worker now (its streams fail, and the supervisor
         replaces it), never wait on collectives whose peer is gone."""
-        if self._stopping:
+        if self._ending:
             return
-        self._stopping = True
+        self._ending = True
         log.error("tensor-parallel group lost: the worker exits", reason="TensorParallelGroupLost",
                   worker=self.worker_id, error=why)
         for proc in self._procs:
@@ -123,11 +130,17 @@ class FollowerGroup:
         shutil.rmtree(self._dir, ignore_errors=True)
         os._exit(GROUP_LOST_EXIT)
 
+    def begin_stop(self) -> None:
+        """This worker is stopping: the engine loop's end and the followers' exits are
+        expected from now on."""
+        self._ending = True
+
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the followers (a StopGroup frame, then SIGKILL past `timeout_s`)."""
-        if self._stopping:
+        """Stop the followers (a StopGroup frame, then SIGKILL past `timeout_s`); after the
+        engine loop has stopped."""
+        if self._closed:
             return
-        self._stopping = True  # from here a follower's exit is expected
+        self._closed = self._ending = True
         self.send(StopGroup())
         for fd in self._pipes:
             with contextlib.suppress(OSError):

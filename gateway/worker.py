@@ -327,6 +327,8 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
              engine_s=round(engine_s, 3), warm_up_s=round(time.monotonic() - started, 3),
              forked=checkpoint is not None, adopted=adopted)
     llm = AsyncLLM(engine)
+    if group is not None:
+        group.stop_with_engine(llm)
     served = _served(engine, args.model, worker_id, args.served_model_name)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(
@@ -346,6 +348,8 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
     await stop.wait()
     log.info("worker stopping", worker=worker_id)
     await server.stop(grace=5)
+    if group is not None:
+        group.begin_stop()  # the engine loop's end below is expected
     llm.shutdown()
     if group is not None:
         group.close()
