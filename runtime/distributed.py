@@ -88,13 +88,15 @@ def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place in the group: `rank` of `size`, over the default process group."""
+    """This process's place in the group: `rank` of `size`, over the default process group;
+    `device` is where the group's small exchanges live (NCCL reduces device tensors only)."""
 
     rank: int
     size: int
+    device: str = "cpu"
 
     @classmethod
-    def join(cls, size: int) -> TensorParallel:
+    def join(cls, size: int, device: str = "cpu") -> TensorParallel:
         """The group the launcher already initialized (`init_tensor_parallel`); raises
         InvalidArgument unless it has exactly `size` ranks."""
         if not dist.is_available() or not dist.is_initialized():
@@ -104,12 +106,18 @@ class TensorParallel:
         if dist.get_world_size() != size:
             raise InvalidArgument(f"tensor_parallel_size={size} but the process group has "
                                   f"{dist.get_world_size()} ranks", field="tensor_parallel_size")
-        return cls(dist.get_rank(), size)
+        return cls(dist.get_rank(), size, device)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` across ranks, in place; every rank gets the same bits."""
         dist.all_reduce(x)
         return x
+
+    def min_across_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (each rank gets the same)."""
+        x = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return int(x.item())
 
     def shard_kv_spec(self, spec: KVCacheSpec, budget_bytes: int) -> tuple[KVCacheSpec, int]:
         """This rank's KV layout (its KV heads; the MLA latent, shared by all heads, is
@@ -151,7 +159,7 @@ class TensorParallelIntegrityTracker:
     def verify_batch(self, seqs: list[Sequence]) -> list[Violation]:
         found = self.local.verify_batch(seqs)
         header = torch.tensor([batch_fingerprint(seqs), self.pool.num_free_pages, len(found)],
-                              dtype=torch.int64)
+                              dtype=torch.int64, device=self.tp.device)
         headers = [torch.empty_like(header) for _ in range(self.tp.size)]
         dist.all_gather(headers, header)
         if any(not torch.equal(h[:2], header[:2]) for h in headers):

@@ -126,8 +126,9 @@ class EngineBuild:
         if self.tp is None:
             self.kv_cache = KVCache.within(spec, config.kv_cache_bytes, self.device)
         else:  # this rank's heads; the same page count on every rank
-            budget = (auto_kv_cache_bytes() if config.kv_cache_bytes is None
-                      else config.kv_cache_bytes)
+            budget = config.kv_cache_bytes
+            if budget is None:  # NOTE: each rank measures its free memory at its own moment
+                budget = self.tp.min_across_ranks(auto_kv_cache_bytes())
             spec, tp_pages = self.tp.shard_kv_spec(spec, budget)
             if tp_pages < 1:
                 raise InvalidArgument(f"kv_cache_bytes={budget} holds no page of "
@@ -180,7 +181,7 @@ class EngineBuild:
         if size == 1:
             return None
         _check_tensor_parallel(self.checkpoint, self.formats, size, str(self.device))
-        return TensorParallel.join(size)
+        return TensorParallel.join(size, str(self.device))
 
 
 def serving_formats(checkpoint: Checkpoint, config: EngineConfig,

@@ -29,8 +29,10 @@ LOGPROB_TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def tp_gateway():
+    # NOTE: KV sized by each rank from its free memory, as `tessera serve` does by default:
+    # the ranks must agree on one page count (they take the smallest).
     runner = start_runner(min_workers=1, max_workers=1, tensor_parallel_size=2,
-                          worker_threads=2, start_timeout_s=300)
+                          worker_threads=2, start_timeout_s=300, kv_cache_bytes=None)
     yield runner
     runner.stop()
 
