@@ -167,6 +167,8 @@ def start_leader(config: EngineConfig, model: str | None, size: int, worker_id: 
     threads = split_threads(resolve_num_threads(config.num_threads), size)
     config = dataclasses.replace(config, tensor_parallel_size=size, num_threads=threads)
     rank0 = rank_config(config, 0)  # refuses a device choice before any follower starts
+    if rank0.device == "cpu":  # gloo over loopback (followers inherit it), whatever the hostname
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     group = FollowerGroup(size, worker_id)
     group.start(config, model)
     init_tensor_parallel(0, size, group.init_method, device=rank0.device)
