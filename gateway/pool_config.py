@@ -41,6 +41,8 @@ class PoolConfig:
     # fork workers from a template process (gateway/template.py); None: when the pool scales
     # from zero or can grow
     template: bool | None = None
+    # ranks per worker (gateway/tp_group.py); its worker_threads are split between them
+    tensor_parallel_size: int = 1
 
     @property
     def pool_label(self) -> str:
@@ -62,6 +64,13 @@ class PoolConfig:
         if self.max_start_failures < 1 or self.max_restart_backoff_s < self.restart_backoff_s:
             raise InvalidArgument("max_start_failures must be >= 1 and max_restart_backoff_s "
                                   ">= restart_backoff_s", field="max_start_failures")
+        if self.tensor_parallel_size < 1:
+            raise InvalidArgument("tensor_parallel_size must be >= 1",
+                                  field="tensor_parallel_size")
+        if self.tensor_parallel_size > 1 and self.role != "both":
+            raise InvalidArgument("tensor parallelism serves colocated pools only: a prefill or "
+                                  "decode pool's KV transfer does not split KV heads across "
+                                  "ranks yet", field="tensor_parallel_size")
         if self.max_inflight < 1 or self.max_queue < 0:
             raise InvalidArgument("max_inflight must be >= 1 and max_queue >= 0",
                                   field="max_inflight")

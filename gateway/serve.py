@@ -24,6 +24,7 @@ from gateway.rest.http_server import RestServer
 from gateway.rest.status import GatewayView
 from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
+from gateway.tp_check import check_tensor_parallel_layout, check_tensor_parallel_model
 from runtime.engine_flags import add_engine_flags, engine_argv
 from runtime.extras import require_extra
 from runtime.threads import share_of_cores
@@ -64,6 +65,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "DEADLINE_EXCEEDED and both sides' pages freed. Also how long a "
                         "request without a deadline waits for decode-side pages (then "
                         "OVERLOADED)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: each worker spans N processes (torch.distributed: "
+                        "gloo over loopback on CPU, each rank on its share of the worker's "
+                        "threads; NCCL on CUDA, rank r on cuda:r); colocated workers only")
     p.add_argument("--max-inflight", type=int, default=32, help="per worker")
     p.add_argument("--max-queue", type=int, default=128, help="waiting requests per model")
     p.add_argument("--tenant-max-inflight", type=int, default=None,
@@ -218,7 +223,8 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
                       start_timeout_s=args.worker_start_timeout_s,
                       max_start_failures=args.worker_start_failures,
                       max_restart_backoff_s=args.max_restart_backoff_s,
-                      template=False if args.no_worker_template else None)
+                      template=False if args.no_worker_template else None,
+                      tensor_parallel_size=args.tp)
 
 
 def wait_for_workers(runner: GatewayRunner, done: threading.Event, timeout_s: float) -> bool:
@@ -261,6 +267,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     configure()
     keys, dev_key = ApiKeys.load(args.api_keys)
+    check_tensor_parallel_layout(args)
     pool = pool_config(args)
     pools = pool_configs(pool, args)
     # NOTE: every port before any worker starts, so a taken one costs no model load
@@ -269,6 +276,8 @@ def _serve(args: argparse.Namespace) -> int:
                            "--metrics-port": args.metrics_port})
     check_pool_args(args)
     check_engine_choices(args)
+    check_tensor_parallel_model(args, [*worker_args(args), *(
+        ["--model", args.model] if args.model else [])])
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 

@@ -55,7 +55,12 @@ class WorkerPool:
 
     async def start(self) -> None:
         cfg = self.config
-        if uses_template(cfg.template, cfg.min_workers, cfg.max_workers):
+        # NOTE: never for a tensor-parallel pool: its worker is a group of processes that
+        # each load their own shard and meet in a process group, while a template holds one
+        # process's whole-model engine; forking rank 0 alone would save its followers nothing,
+        # and on CUDA every rank needs a fresh context of its own anyway.
+        if cfg.tensor_parallel_size == 1 and uses_template(cfg.template, cfg.min_workers,
+                                                           cfg.max_workers):
             shape = WorkerHandle(f"{cfg.pool_label}-template", "", cfg.max_inflight)
             self._template = WorkerTemplate(self._command(shape), worker_env(cfg))
             self._background(self._template.start(cfg.start_timeout_s))

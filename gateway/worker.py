@@ -257,6 +257,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_engine_flags(p)
     p.add_argument("--role", default="both", choices=ROLES,
                    help="both: colocated; prefill / decode: one side of disaggregated serving")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: this worker spans N rank processes (torch."
+                        "distributed: gloo on CPU, NCCL on CUDA, rank r on cuda:r); this "
+                        "process is rank 0 and spawns the others")
     p.add_argument("--kv-transport", default="auto", choices=TRANSPORTS,
                    help="how a decode worker receives KV frames: auto, through a shared-memory "
                         "ring when the prefill worker is on this host (a unix socket), else in "
@@ -271,7 +275,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-loop", action="append", default=None, metavar="KIND:TENANT",
                    help="drills only: once a request of TENANT has streamed, kill (kill) or "
                         "wedge (wedge) the engine loop; repeatable")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tp < 1:
+        p.error("--tp must be at least 1")
+    if args.tp > 1 and args.role != "both":
+        p.error("--tp serves colocated workers only (not yet a prefill or decode role)")
+    return args
 
 
 async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
@@ -293,8 +302,13 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
     # every worker (forked from one template or spawned) the same unseeded samples.
     config = dataclasses.replace(engine_config(args),
                                  seed=int.from_bytes(os.urandom(8), "little") >> 1)
-    adopted = engine is not None
-    if engine is None:
+    adopted = engine is not None and args.tp == 1
+    group = None
+    if args.tp > 1:  # NOTE: spawned, never forked from a template (gateway/template.py)
+        from gateway.tp_group import start_leader
+
+        group, engine = start_leader(config, args.model, args.tp, worker_id)
+    elif engine is None:
         engine = LLMEngine(checkpoint or open_checkpoint(args.model), config)
     else:
         from gateway.template_warm import adopt_engine
@@ -313,6 +327,8 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
              engine_s=round(engine_s, 3), warm_up_s=round(time.monotonic() - started, 3),
              forked=checkpoint is not None, adopted=adopted)
     llm = AsyncLLM(engine)
+    if group is not None:
+        group.stop_with_engine(llm)
     served = _served(engine, args.model, worker_id, args.served_model_name)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(
@@ -332,7 +348,11 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
     await stop.wait()
     log.info("worker stopping", worker=worker_id)
     await server.stop(grace=5)
+    if group is not None:
+        group.begin_stop()  # the engine loop's end below is expected
     llm.shutdown()
+    if group is not None:
+        group.close()
 
 
 def main(argv: list[str] | None = None, *, checkpoint: Checkpoint | None = None,

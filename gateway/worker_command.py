@@ -15,7 +15,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def threads_per_worker(config: PoolConfig) -> int:
     """CPU threads each worker computes on: the configured count, else this host's cores
-    split evenly among the pool's most workers."""
+    split evenly among the pool's most workers (a tensor-parallel worker splits them again
+    between its ranks, gateway/tp_group.py)."""
     return config.worker_threads or share_of_cores(config.max_workers)
 
 
@@ -35,6 +36,8 @@ def worker_command(config: PoolConfig, worker_id: str, socket_path: str,
         cmd += ["--model", config.model_path]
     if config.role != "both":
         cmd += ["--role", config.role]
+    if config.tensor_parallel_size > 1:
+        cmd += ["--tp", str(config.tensor_parallel_size)]
     return cmd + list(config.worker_args)
 
 

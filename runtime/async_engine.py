@@ -117,6 +117,10 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def wait_until_stopped(self) -> None:
+        """Block until the engine loop has ended (shut down, or dead: `liveness().error`)."""
+        self._thread.join()
+
     # -- commands -----------------------------------------------------------------------------
 
     async def call(self, fn: Callable[[], Any]) -> Any:

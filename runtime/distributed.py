@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.config import ModelConfig
 from runtime.errors import InvalidArgument, TesseraError
 from runtime.integrity import IntegrityCounters, Violation
 from runtime.kv.cache import KVCacheSpec
@@ -38,13 +39,42 @@ class TensorParallelDesync(TesseraError):
     """The ranks of a tensor-parallel group are about to run different batches: fatal."""
 
 
+class TensorParallelGroupLost(BaseException):
+    """A rank of the group failed, left or disagreed (a failed collective, a desync, a dead
+    follower): the whole group stops. A BaseException so that neither a step's nor the engine
+    loop's `except Exception` keeps serving from ranks whose KV no longer agree."""
+
+
+def check_tensor_parallel(model_config: ModelConfig, size: int, device: str) -> None:
+    """Raise InvalidArgument, before any weight is read, for a group this model or host cannot
+    run: more ranks than KV heads (MLA: than query heads, its latent is replicated), or on
+    CUDA more ranks than visible devices. Uneven splits are fine (3 KV heads over 2 ranks:
+    2 + 1)."""
+    if size == 1:
+        return
+    latent = model_config.kv_latent_dim is not None
+    heads = model_config.num_attention_heads if latent else model_config.num_key_value_heads
+    if size > heads:
+        raise InvalidArgument(f"tensor_parallel_size={size} exceeds the model's {heads} "
+                              f"{'attention' if latent else 'KV'} heads",
+                              field="tensor_parallel_size")
+    if platform_for(device).kind == "cuda":
+        visible = torch.cuda.device_count()
+        if size > visible:
+            raise InvalidArgument(f"tensor_parallel_size={size} needs {size} CUDA devices, one "
+                                  f"per rank; torch sees {visible}", field="tensor_parallel_size")
+
+
 def init_tensor_parallel(rank: int, size: int, init_method: str,
                          backend: str | None = None, device: str = "auto") -> None:
     """Join the process group that one engine's ranks share. `init_method` is a torch.distributed
     URL (`file:///tmp/x`, `tcp://host:port`, or `env://` under torchrun); `backend` defaults to
     the platform's of `device` (runtime/platform.py: NCCL on CUDA, gloo on CPU; `auto`: CUDA
     when present)."""
-    backend = backend or platform_for(resolve_device(device)).distributed_backend
+    resolved = resolve_device(device)
+    backend = backend or platform_for(resolved).distributed_backend
+    if backend == "nccl" and ":" in resolved:
+        torch.cuda.set_device(resolved)  # NCCL binds each rank's communicator to its device
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
 
 
@@ -58,13 +88,15 @@ def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place in the group: `rank` of `size`, over the default process group."""
+    """This process's place in the group: `rank` of `size`, over the default process group;
+    `device` is where the group's small exchanges live (NCCL reduces device tensors only)."""
 
     rank: int
     size: int
+    device: str = "cpu"
 
     @classmethod
-    def join(cls, size: int) -> TensorParallel:
+    def join(cls, size: int, device: str = "cpu") -> TensorParallel:
         """The group the launcher already initialized (`init_tensor_parallel`); raises
         InvalidArgument unless it has exactly `size` ranks."""
         if not dist.is_available() or not dist.is_initialized():
@@ -74,12 +106,18 @@ class TensorParallel:
         if dist.get_world_size() != size:
             raise InvalidArgument(f"tensor_parallel_size={size} but the process group has "
                                   f"{dist.get_world_size()} ranks", field="tensor_parallel_size")
-        return cls(dist.get_rank(), size)
+        return cls(dist.get_rank(), size, device)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` across ranks, in place; every rank gets the same bits."""
         dist.all_reduce(x)
         return x
+
+    def min_across_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (each rank gets the same)."""
+        x = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return int(x.item())
 
     def shard_kv_spec(self, spec: KVCacheSpec, budget_bytes: int) -> tuple[KVCacheSpec, int]:
         """This rank's KV layout (its KV heads; the MLA latent, shared by all heads, is
@@ -121,7 +159,7 @@ class TensorParallelIntegrityTracker:
     def verify_batch(self, seqs: list[Sequence]) -> list[Violation]:
         found = self.local.verify_batch(seqs)
         header = torch.tensor([batch_fingerprint(seqs), self.pool.num_free_pages, len(found)],
-                              dtype=torch.int64)
+                              dtype=torch.int64, device=self.tp.device)
         headers = [torch.empty_like(header) for _ in range(self.tp.size)]
         dist.all_gather(headers, header)
         if any(not torch.equal(h[:2], header[:2]) for h in headers):

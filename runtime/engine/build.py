@@ -10,7 +10,11 @@ import torch
 
 from runtime.attention import AttentionBackend, make_backend
 from runtime.config import EngineConfig, ModelConfig
-from runtime.distributed import TensorParallel, TensorParallelIntegrityTracker
+from runtime.distributed import (
+    TensorParallel,
+    TensorParallelIntegrityTracker,
+    check_tensor_parallel,
+)
 from runtime.errors import InvalidArgument
 from runtime.grammar import GrammarCompiler
 from runtime.heap import release_free_heap
@@ -83,12 +87,7 @@ class EngineBuild:
         self.platform = platform_for(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.num_threads = self.platform.compute_threads(config.num_threads)
-        self.formats = ServingFormats.resolve(
-            str(self.dtype).removeprefix("torch."), prefill_weights=config.prefill_weights,
-            decode_weights=config.decode_weights, kv_cache_dtype=config.kv_cache_dtype,
-            prefill_kv_cache_dtype=config.prefill_kv_cache_dtype,
-            group_size=config.weight_group_size, symmetric=config.weight_symmetric,
-            checkpoint_format=checkpoint.quantization)
+        self.formats = serving_formats(checkpoint, config, self.dtype)
         self.tp = self._join_tensor_parallel()
         self.attention = make_backend(config.attention_backend, self.device)
         self.prefill_model, self.decode_model = self._build_models()
@@ -127,8 +126,9 @@ class EngineBuild:
         if self.tp is None:
             self.kv_cache = KVCache.within(spec, config.kv_cache_bytes, self.device)
         else:  # this rank's heads; the same page count on every rank
-            budget = (auto_kv_cache_bytes() if config.kv_cache_bytes is None
-                      else config.kv_cache_bytes)
+            budget = config.kv_cache_bytes
+            if budget is None:  # NOTE: each rank measures its free memory at its own moment
+                budget = self.tp.min_across_ranks(auto_kv_cache_bytes())
             spec, tp_pages = self.tp.shard_kv_spec(spec, budget)
             if tp_pages < 1:
                 raise InvalidArgument(f"kv_cache_bytes={budget} holds no page of "
@@ -188,14 +188,41 @@ class EngineBuild:
         size = self.config.tensor_parallel_size
         if size == 1:
             return None
-        stored = self.checkpoint.quantization
-        quantized = [p.weights.label for p in (self.formats.prefill, self.formats.decode)
-                     if p.weights.name in ("fp8", "int4")]
-        if stored is not None or quantized:
-            raise InvalidArgument("tensor parallelism serves float weights only for now, not "
-                                  f"{stored.label if stored is not None else quantized[0]}",
-                                  field="tensor_parallel_size")
-        return TensorParallel.join(size)
+        _check_tensor_parallel(self.checkpoint, self.formats, size, str(self.device))
+        return TensorParallel.join(size, str(self.device))
+
+
+def serving_formats(checkpoint: Checkpoint, config: EngineConfig,
+                    dtype: torch.dtype) -> ServingFormats:
+    """The weight and KV formats of each phase that `config` asks of `checkpoint`."""
+    return ServingFormats.resolve(
+        str(dtype).removeprefix("torch."), prefill_weights=config.prefill_weights,
+        decode_weights=config.decode_weights, kv_cache_dtype=config.kv_cache_dtype,
+        prefill_kv_cache_dtype=config.prefill_kv_cache_dtype,
+        group_size=config.weight_group_size, symmetric=config.weight_symmetric,
+        checkpoint_format=checkpoint.quantization)
+
+
+def check_tensor_parallel_choices(checkpoint: Checkpoint, config: EngineConfig) -> None:
+    """What an engine of `config` refuses about its tensor parallelism, checked without
+    building it (no weight read, no process group): `tessera serve --tp` runs it before any
+    worker starts. Raises InvalidArgument."""
+    device = resolve_device(config.device)
+    formats = serving_formats(checkpoint, config, resolve_dtype(config.dtype,
+                                                                torch.device(device)))
+    _check_tensor_parallel(checkpoint, formats, config.tensor_parallel_size, device)
+
+
+def _check_tensor_parallel(checkpoint: Checkpoint, formats: ServingFormats, size: int,
+                           device: str) -> None:
+    stored = checkpoint.quantization
+    quantized = [p.weights.label for p in (formats.prefill, formats.decode)
+                 if p.weights.name in ("fp8", "int4")]
+    if stored is not None or quantized:
+        raise InvalidArgument("tensor parallelism serves float weights only for now, not "
+                              f"{stored.label if stored is not None else quantized[0]}",
+                              field="tensor_parallel_size")
+    check_tensor_parallel(checkpoint.config, size, device)
 
 
 def _lay_out(model: torch.nn.Module) -> torch.nn.Module:
