@@ -90,7 +90,7 @@ class Template:
             checkpoint_mapping(checkpoint).prefault()
         t = self._mark("map_weights", t)
         engine = None
-        if config.device == "cpu":  # NOTE: on a GPU, CUDA and the engine start in the child
+        if _computes_on_cpu(config.device):  # NOTE: on a GPU, CUDA and the engine start in a child
             from gateway.template_warm import build_warm_engine, warm_config
 
             self.engine = self.engine_config = None  # the old model's, freed before the new
@@ -131,6 +131,15 @@ class Template:
         from runtime.engine_flags import engine_config
 
         return bool(warm_config(engine_config(parse_args(argv))) == self.engine_config)
+
+
+def _computes_on_cpu(device: str) -> bool:
+    """Whether workers of `device` (EngineConfig.device) compute on the CPU, decided without
+    initialising CUDA (a forked child could not): "auto" is the CPU only on a torch built
+    without CUDA; on a CUDA build it is left to the child."""
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.backends.cuda.is_built())
 
 
 def _source_stamp(path: Path) -> tuple[int, int, int]:

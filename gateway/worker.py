@@ -301,13 +301,13 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
 
         adopt_engine(engine, config)
     engine_s = time.monotonic() - started
-    marks["engine"] = time.monotonic()
+    marks["adopt_engine" if adopted else "engine"] = time.monotonic()
     # NOTE: before the socket exists, so the gateway never routes to a worker that would pay
     # a native build or a first-use cost on a client's request (an adopted engine has paid).
     started = time.monotonic()
     if not adopted:
         engine.warm_up()
-    marks["warm_up"] = time.monotonic()
+        marks["warm_up"] = time.monotonic()
     native_ops = native_status() if engine.device.type == "cpu" else ""
     log.info("worker warmed up", worker=worker_id, native_ops=native_ops,
              engine_s=round(engine_s, 3), warm_up_s=round(time.monotonic() - started, 3),
