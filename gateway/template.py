@@ -128,6 +128,8 @@ class WorkerTemplate:
                 self.phases = message.get("phases", {})
                 log.info("worker template ready", pid=message.get("pid"), phases=self.phases)
                 self.ready.set()
+            elif op == "phases":  # the load's part done after "ready" (finish_load)
+                self.phases.update(message.get("phases", {}))
             elif op == "exited":
                 self._exit_codes[int(message["pid"])] = int(message["code"])
                 self._exit_changed.set()

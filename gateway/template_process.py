@@ -40,6 +40,7 @@ class Template:
         self.key: Any = None
         self.engine: Any = None  # built and warmed here, for workers (gateway/template_warm.py)
         self.engine_config: Any = None  # its configuration (warm_config of the workers')
+        self.finished = False  # finish_load() has run for this load
         # NOTE: the workers exit with the gateway, not with the template (gateway/worker.py).
         self.gateway_pidfd = os.pidfd_open(os.getppid())
         self.load()
@@ -75,12 +76,6 @@ class Template:
 
         model_class(checkpoint.config)  # its architecture's module, imported once here
         t = self._mark("checkpoint", t)
-        from runtime.grammar import llguidance_tokenizer
-
-        cfg = checkpoint.config
-        llguidance_tokenizer(checkpoint.tokenizer, cfg.vocab_size,
-                             sorted(set(cfg.eos_token_ids)))
-        t = self._mark("grammar_tokenizer", t)
         from runtime.loader.gguf_loader import GGUFCheckpoint
 
         if (config.mapped_weights and config.gguf_weights != "dequantize"
@@ -102,6 +97,24 @@ class Template:
         # the open makes the next fork reload.
         self.checkpoint, self.key = checkpoint, _opened_stamp(checkpoint)
         self.engine, self.engine_config = engine, None if engine is None else warm_config(config)
+        self.finished = False
+
+    def finish_load(self) -> dict[str, float]:
+        """What no first worker waits for, done once (per load) when the template is idle:
+        llguidance's tokenizer (~0.4 s; kept on the checkpoint's tokenizer, so every later
+        fork inherits it). The phases it ran, {} when there was nothing left to do."""
+        from runtime.grammar import has_llguidance_tokenizer, llguidance_tokenizer
+
+        cfg = self.checkpoint.config
+        eos = sorted(set(cfg.eos_token_ids))
+        if self.finished or has_llguidance_tokenizer(self.checkpoint.tokenizer,
+                                                     cfg.vocab_size, eos):
+            return {}
+        self.finished = True  # NOTE: before the build: one that fails is not retried here
+        t = time.perf_counter()
+        llguidance_tokenizer(self.checkpoint.tokenizer, cfg.vocab_size, eos)
+        self._mark("grammar_tokenizer", t)
+        return {"grammar_tokenizer": self.phases["grammar_tokenizer"]}
 
     def fork(self, argv: list[str]) -> int:
         """A worker for `argv` (gateway.worker's): its pid. A replaced model file is opened
@@ -249,6 +262,16 @@ def _reap(reply_fd: int) -> None:
         _reply(reply_fd, op="exited", pid=pid, code=os.waitstatus_to_exitcode(status))
 
 
+def _finish_load(template: Template, reply_fd: int) -> None:
+    try:
+        phases = template.finish_load()
+    except Exception as e:  # NOTE: a worker builds it itself then, on its first grammar
+        print(f"worker template: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return
+    if phases:
+        _reply(reply_fd, op="phases", phases=phases)
+
+
 def serve(reply_fd: int, worker_argv: list[str]) -> int:
     try:
         template = Template(worker_argv)
@@ -261,6 +284,7 @@ def serve(reply_fd: int, worker_argv: list[str]) -> int:
         readable, _, _ = select.select([0], [], [], 0.2)
         _reap(reply_fd)
         if not readable:
+            _finish_load(template, reply_fd)
             continue
         chunk = os.read(0, 1 << 16)
         if not chunk:
