@@ -101,20 +101,21 @@ class Template:
 
     def finish_load(self) -> dict[str, float]:
         """What no first worker waits for, done once (per load) when the template is idle:
-        llguidance's tokenizer (~0.4 s; kept on the checkpoint's tokenizer, so every later
-        fork inherits it). The phases it ran, {} when there was nothing left to do."""
-        from runtime.grammar import has_llguidance_tokenizer, llguidance_tokenizer
+        llguidance's tokenizer (~0.4 s) and the tokenizer's plain-text backend (~0.15 s), both
+        kept on the checkpoint's tokenizer, so every later fork inherits them (a worker forked
+        before makes its own on first use). The phases it ran, {} when there was nothing left."""
+        from runtime.grammar import llguidance_tokenizer
 
-        cfg = self.checkpoint.config
-        eos = sorted(set(cfg.eos_token_ids))
-        if self.finished or has_llguidance_tokenizer(self.checkpoint.tokenizer,
-                                                     cfg.vocab_size, eos):
+        if self.finished:
             return {}
         self.finished = True  # NOTE: before the build: one that fails is not retried here
+        cfg, tokenizer = self.checkpoint.config, self.checkpoint.tokenizer
         t = time.perf_counter()
-        llguidance_tokenizer(self.checkpoint.tokenizer, cfg.vocab_size, eos)
-        self._mark("grammar_tokenizer", t)
-        return {"grammar_tokenizer": self.phases["grammar_tokenizer"]}
+        llguidance_tokenizer(tokenizer, cfg.vocab_size, sorted(set(cfg.eos_token_ids)))
+        t = self._mark("grammar_tokenizer", t)
+        tokenizer.prepare()
+        self._mark("text_tokenizer", t)
+        return {k: self.phases[k] for k in ("grammar_tokenizer", "text_tokenizer")}
 
     def fork(self, argv: list[str]) -> int:
         """A worker for `argv` (gateway.worker's): its pid. A replaced model file is opened

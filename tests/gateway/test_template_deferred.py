@@ -1,7 +1,8 @@
 """What a worker template leaves until it is idle (gateway/template_process.py: finish_load):
-llguidance's tokenizer, which no first request needs, is not on the first worker's path; it is
-built once the template has nothing to do, reported to the gateway, and a worker forked before
-it serves a grammar request all the same (it builds its own on that request)."""
+llguidance's tokenizer and the tokenizer's plain-text backend, which no first request needs
+(without a grammar or a chat), are not on the first worker's path; they are built once the
+template has nothing to do and reported to the gateway, and a worker forked before serves
+grammar and chat requests all the same (it makes its own on first use)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ def test_the_templates_load_leaves_the_grammar_tokenizer_until_it_is_idle() -> N
                          "--kv-cache-bytes", str(8 << 20)])
     assert template.engine is not None  # what the first worker needs is there
     assert not _has_grammar_tokenizer(template)
-    assert set(template.finish_load()) == {"grammar_tokenizer"}
+    assert template.checkpoint.tokenizer._text is None
+    assert set(template.finish_load()) == {"grammar_tokenizer", "text_tokenizer"}
+    assert template.checkpoint.tokenizer._text is not None
     assert _has_grammar_tokenizer(template)
     assert template.finish_load() == {}  # once per load
 
 
-def test_a_forked_worker_serves_a_grammar_and_the_idle_template_reports_its_build() -> None:
+def test_a_forked_worker_serves_grammar_and_chat_and_the_idle_template_reports_builds(
+) -> None:
     runner = GatewayRunner([pool_config(min_workers=1, max_workers=2, template=True)],
                            api_keys()).start()
     try:
@@ -45,8 +49,11 @@ def test_a_forked_worker_serves_a_grammar_and_the_idle_template_reports_its_buil
             text = "".join(c.text for c in client.generate(
                 "A code:", max_tokens=8, temperature=0.0,
                 structured_output=StructuredOutput("regex", "[0-9]{3}-[a-z]{2}")))
+            chat = list(client.chat([{"role": "user", "content": "Hi"}], max_tokens=2,
+                                    ignore_eos=True))
         assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text
-        wait_for(lambda: "grammar_tokenizer" in template.phases, 60,
+        assert sum(len(c.token_ids) for c in chat) == 2
+        wait_for(lambda: {"grammar_tokenizer", "text_tokenizer"} <= set(template.phases), 60,
                  "the template's idle build reported")
     finally:
         runner.stop()
