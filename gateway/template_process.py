@@ -36,6 +36,8 @@ class Template:
     def __init__(self, worker_argv: list[str]) -> None:
         self.worker_argv = worker_argv
         self.phases: dict[str, float] = {}
+        self.cpu_phases: dict[str, float] = {}
+        self._cpu_at = time.process_time()
         self.checkpoint: Any = None
         self.key: Any = None
         self.engine: Any = None  # built and warmed here, for workers (gateway/template_warm.py)
@@ -46,14 +48,19 @@ class Template:
         self.load()
 
     def _mark(self, name: str, since: float) -> float:
-        now = time.perf_counter()
+        """Phase `name` ended: its wall seconds since `since` (perf_counter) in `phases`, its
+        CPU seconds since the previous mark in `cpu_phases` (the steadier number when the host
+        is busy)."""
+        now, cpu = time.perf_counter(), time.process_time()
         self.phases[name] = round(now - since, 4)
+        self.cpu_phases[name] = round(cpu - self._cpu_at, 4)
+        self._cpu_at = cpu
         return now
 
     def load(self) -> None:
         """(Re)open the checkpoint and map its weights, with torch on one thread so that no
         OpenMP pool starts here."""
-        t = time.perf_counter()
+        t, self._cpu_at = time.perf_counter(), time.process_time()
         import torch
 
         torch.set_num_threads(1)
@@ -110,7 +117,7 @@ class Template:
             return {}
         self.finished = True  # NOTE: before the build: one that fails is not retried here
         cfg, tokenizer = self.checkpoint.config, self.checkpoint.tokenizer
-        t = time.perf_counter()
+        t, self._cpu_at = time.perf_counter(), time.process_time()
         llguidance_tokenizer(tokenizer, cfg.vocab_size, sorted(set(cfg.eos_token_ids)))
         t = self._mark("grammar_tokenizer", t)
         tokenizer.prepare()
@@ -270,7 +277,8 @@ def _finish_load(template: Template, reply_fd: int) -> None:
         print(f"worker template: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return
     if phases:
-        _reply(reply_fd, op="phases", phases=phases)
+        _reply(reply_fd, op="phases", phases=phases,
+               cpu_phases={k: template.cpu_phases[k] for k in phases})
 
 
 def serve(reply_fd: int, worker_argv: list[str]) -> int:
@@ -279,7 +287,8 @@ def serve(reply_fd: int, worker_argv: list[str]) -> int:
     except Exception as e:
         _reply(reply_fd, op="error", error=f"{type(e).__name__}: {e}")
         return 2
-    _reply(reply_fd, op="ready", pid=os.getpid(), phases=template.phases, threads=_threads())
+    _reply(reply_fd, op="ready", pid=os.getpid(), phases=template.phases,
+           cpu_phases=template.cpu_phases, threads=_threads())
     buffer = b""
     while True:
         readable, _, _ = select.select([0], [], [], 0.2)

@@ -324,7 +324,8 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
              revision=served.revision, pid=os.getpid())
     marks["serve"] = time.monotonic()
     if args.ready_socket:
-        notify_ready(args.ready_socket, worker_id, marks)
+        # NOTE: a forked child's CPU clock starts at its fork (POSIX times() are reset)
+        notify_ready(args.ready_socket, worker_id, marks, time.process_time())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

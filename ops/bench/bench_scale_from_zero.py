@@ -83,12 +83,15 @@ def cold_penalty(template: bool, trials: int) -> dict[str, object]:
         for _ in range(trials):
             _wait(lambda: not pool.live())
             cold = _ttft(runner.target)
-            ready = [(w.cold_start_s, w.start_phases) for w in pool.ready()]
+            ready = [(w.cold_start_s, w.start_phases, w.start_cpu_s) for w in pool.ready()]
             warm = _ttft(runner.target)
             rows.append({"cold_s": cold, "warm_s": warm, "penalty_s": cold - warm,
                          "worker_ready_s": ready[0][0] if ready else float("nan"),
-                         "phases_s": ready[0][1] if ready else {}})
-        phases = dict(pool._template.phases) if pool._template is not None else {}
+                         "phases_s": ready[0][1] if ready else {},
+                         "worker_cpu_s": ready[0][2] if ready else float("nan")})
+        t = pool._template
+        phases = {} if t is None else dict(t.phases)
+        cpu_phases = {} if t is None else dict(t.cpu_phases)
     finally:
         runner.stop()
     pen = [r["penalty_s"] for r in rows]
@@ -97,7 +100,8 @@ def cold_penalty(template: bool, trials: int) -> dict[str, object]:
                 r["warm_s"] for r in rows),
             "worker_ready_p50_s": statistics.median(r["worker_ready_s"] for r in rows),
             "worker_phases_p50_s": _phase_medians([r["phases_s"] for r in rows]),
-            "template_phases_s": phases, "rows": rows}
+            "worker_cpu_p50_s": statistics.median(r["worker_cpu_s"] for r in rows),
+            "template_phases_s": phases, "template_cpu_phases_s": cpu_phases, "rows": rows}
 
 
 def _phase_medians(trials: list[dict[str, float]]) -> dict[str, float]:

@@ -18,7 +18,7 @@ _TEMPLATE_ROWS = [
 ]
 _WORKER_ROWS = [
     ("fork (request, fork, child set-up) / spawn", ("process", "forked", "setup")),
-    ("interpreter + imports (spawned only)", ("main",)),
+    ("worker main (spawned: interpreter + imports)", ("main",)),
     ("KV pool: engine built (spawned: checkpoint, weights, KV pool)", ("engine",)),
     ("KV pool: engine adopted (threads, seed, weights paged in)", ("adopt_engine",)),
     ("warm-up", ("warm_up",)),
@@ -68,15 +68,21 @@ def report(results: dict[str, Any]) -> str:
         for m in results.get(f"memory_{name}", []):
             lines.append(f"| {name} | {m['worker']} | {m['pss_mib']:.0f} | "
                          f"{m['private_mib']:.0f} | {m['rss_mib']:.0f} |")
-    template = results.get("cold_template", {}).get("template_phases_s", {})
-    forked = results.get("cold_template", {}).get("worker_phases_p50_s", {})
-    spawned = results.get("cold_spawn", {}).get("worker_phases_p50_s", {})
-    lines += ["", "| template load, once (wall) | s |", "|---|---|"]
-    lines += [f"| {row} | {_s(template, names)} |" for row, names in _TEMPLATE_ROWS]
+    cold_t, cold_s = results.get("cold_template", {}), results.get("cold_spawn", {})
+    wall, cpu = cold_t.get("template_phases_s", {}), cold_t.get("template_cpu_phases_s", {})
+    lines += ["", "| template load, once | wall (s) | CPU (s) | CPU share |", "|---|---|---|---|"]
+    total = sum(cpu.values()) or float("nan")
+    for row, names in _TEMPLATE_ROWS:
+        share = sum(cpu.get(n, 0.0) for n in names) / total
+        lines.append(f"| {row} | {_s(wall, names)} | {_s(cpu, names)} | {share:.0%} |")
+    forked, spawned = cold_t.get("worker_phases_p50_s", {}), cold_s.get("worker_phases_p50_s", {})
     lines += ["", "| a worker's start, by phase (wall, median) | forked (ms) | spawned (ms) |",
               "|---|---|---|"]
     lines += [f"| {row} | {_ms(forked, names)} | {_ms(spawned, names)} |"
               for row, names in _WORKER_ROWS]
+    lines.append(f"| whole start, its own CPU (median) | "
+                 f"{cold_t.get('worker_cpu_p50_s', float('nan')) * 1e3:.0f} | "
+                 f"{cold_s.get('worker_cpu_p50_s', float('nan')) * 1e3:.0f} |")
     kv = results.get("kv_pool")
     if kv:
         lines.append(f"\nKV pool of {results['kv_bytes'] >> 20} MiB: allocated (lazily "
