@@ -39,6 +39,11 @@ def _s(phases: dict[str, float], names: tuple[str, ...]) -> str:
     return f"{sum(phases.get(n, 0.0) for n in names):.2f}"
 
 
+def _cpu_ms(cold: dict[str, Any]) -> str:
+    cpu = cold.get("worker_cpu_p50_s")
+    return "-" if cpu is None or cpu != cpu else f"{cpu * 1e3:.0f}"
+
+
 def report(results: dict[str, Any]) -> str:
     """The run's tables: start, memory, phases."""
     lines = [f"load average {results['loadavg_1m']:.1f} on {results['cores']} cores "
@@ -50,11 +55,11 @@ def report(results: dict[str, Any]) -> str:
         c, serve = results.get(f"cold_{name}"), results.get(f"serve_{name}")
         if c is None:
             continue
-        wall = statistics.median(r["wall_s"] for r in serve) if serve else float("nan")
-        cpu = statistics.median(r["cpu_s"] for r in serve) if serve else float("nan")
+        wall = f"{statistics.median(r['wall_s'] for r in serve):.2f}" if serve else "-"
+        cpu = f"{statistics.median(r['cpu_s'] for r in serve):.2f}" if serve else "-"
         lines.append(f"| {name} | {c['p50_s'] * 1e3:.0f} / {c['p99_s'] * 1e3:.0f} | "
                      f"{c['trials']} | {c['warm_p50_s'] * 1e3:.0f} | "
-                     f"{c['worker_ready_p50_s'] * 1e3:.0f} | {wall:.2f} | {cpu:.2f} |")
+                     f"{c['worker_ready_p50_s'] * 1e3:.0f} | {wall} | {cpu} |")
     llama = results.get("llama_server")
     if isinstance(llama, list) and llama:
         wall = statistics.median(r["wall_s"] for r in llama)
@@ -62,12 +67,14 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| llama-server | - | - | - | - | {wall:.2f} | {cpu:.2f} |")
     elif isinstance(llama, str):
         lines.append(f"\nllama-server not measured: {llama}")
-    lines += ["", "| workers from | worker | PSS (MiB) | private (MiB, touched KV included; "
-              f"pool {results['kv_bytes'] >> 20} MiB) | RSS (MiB) |", "|---|---|---|---|---|"]
-    for name in ("template", "spawn"):
-        for m in results.get(f"memory_{name}", []):
-            lines.append(f"| {name} | {m['worker']} | {m['pss_mib']:.0f} | "
-                         f"{m['private_mib']:.0f} | {m['rss_mib']:.0f} |")
+    memory = [(name, m) for name in ("template", "spawn")
+              for m in results.get(f"memory_{name}", [])]
+    if memory:
+        lines += ["", "| workers from | worker | PSS (MiB) | private (MiB, touched KV "
+                  f"included; pool {results['kv_bytes'] >> 20} MiB) | RSS (MiB) |",
+                  "|---|---|---|---|---|"]
+    lines += [f"| {name} | {m['worker']} | {m['pss_mib']:.0f} | {m['private_mib']:.0f} | "
+              f"{m['rss_mib']:.0f} |" for name, m in memory]
     cold_t, cold_s = results.get("cold_template", {}), results.get("cold_spawn", {})
     wall, cpu = cold_t.get("template_phases_s", {}), cold_t.get("template_cpu_phases_s", {})
     lines += ["", "| template load, once | wall (s) | CPU (s) | CPU share |", "|---|---|---|---|"]
@@ -80,9 +87,7 @@ def report(results: dict[str, Any]) -> str:
               "|---|---|---|"]
     lines += [f"| {row} | {_ms(forked, names)} | {_ms(spawned, names)} |"
               for row, names in _WORKER_ROWS]
-    lines.append(f"| whole start, its own CPU (median) | "
-                 f"{cold_t.get('worker_cpu_p50_s', float('nan')) * 1e3:.0f} | "
-                 f"{cold_s.get('worker_cpu_p50_s', float('nan')) * 1e3:.0f} |")
+    lines.append(f"| whole start, its own CPU (median) | {_cpu_ms(cold_t)} | {_cpu_ms(cold_s)} |")
     kv = results.get("kv_pool")
     if kv:
         lines.append(f"\nKV pool of {results['kv_bytes'] >> 20} MiB: allocated (lazily "
