@@ -1,7 +1,9 @@
 """A model's worker template: one process that has imported torch and tessera, opened the
 checkpoint (tokenizer, GGUF reader), mapped its weights (runtime/loader/mapped.py) and loaded
 the native ops, and that runs no thread, no gRPC object and no OpenMP pool; workers are forked
-from it (Android's zygote, SGLang's forkserver) and finish their start in the child.
+from it (Android's zygote, SGLang's forkserver) and finish their start in the child. What no
+first request needs (llguidance's tokenizer, the tokenizer's plain-text backend) is built after
+"ready", once the template is idle (Template.finish_load), so the first fork does not wait for it.
 
 `python -m gateway.template_process --reply-fd N -- WORKER-ARGV`, started by gateway/template.py.
 Commands arrive as JSON lines on stdin (`{"op": "fork", "argv": [...]}`); replies go to the
