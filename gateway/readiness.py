@@ -19,10 +19,12 @@ _MAX_MESSAGE = 4096
 
 @dataclass(frozen=True)
 class Readiness:
-    """A worker's report: its pid, and its start's phases (name -> monotonic time at the end)."""
+    """A worker's report: its pid, its start's phases (name -> monotonic time at the end), and
+    the CPU seconds it had spent by then (a forked child's since its fork; NaN: not said)."""
 
     pid: int
     marks: dict[str, float] = field(default_factory=dict)
+    cpu_s: float = float("nan")
 
 
 class ReadinessListener:
@@ -64,7 +66,8 @@ class ReadinessListener:
                 message = json.loads(data)
                 worker_id = str(message["worker"])
                 report = Readiness(int(message["pid"]), {
-                    str(k): float(v) for k, v in dict(message.get("marks", {})).items()})
+                    str(k): float(v) for k, v in dict(message.get("marks", {})).items()},
+                    float(message.get("cpu_s", "nan")))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
             future = self._waiting.pop(worker_id, None)
@@ -80,12 +83,16 @@ class ReadinessListener:
             os.unlink(self.path)
 
 
-def notify_ready(path: str, worker_id: str, marks: dict[str, float] | None = None) -> None:
+def notify_ready(path: str, worker_id: str, marks: dict[str, float] | None = None,
+                 cpu_s: float | None = None) -> None:
     """The worker's end: tell the gateway at `path` that `worker_id` (this process) serves;
     `marks`: its start's phases, name -> time.monotonic() at the phase's end (one clock for
-    every process of the host). Raises OSError when nobody listens there (the gateway is gone)."""
-    message = json.dumps({"worker": worker_id, "pid": os.getpid(),
-                          "marks": marks or {}}).encode()
+    every process of the host); `cpu_s`: the CPU seconds its start took. Raises OSError when
+    nobody listens there (the gateway is gone)."""
+    body: dict[str, object] = {"worker": worker_id, "pid": os.getpid(), "marks": marks or {}}
+    if cpu_s is not None:
+        body["cpu_s"] = round(cpu_s, 4)
+    message = json.dumps(body).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.sendto(message, path)
 

@@ -14,20 +14,21 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.auth import ApiKeys
 from gateway.fairness import TenantLimits
 from gateway.logs import configure, get_logger
 from gateway.ports import PortInUse, check_free
-from gateway.rest.http_server import RestServer
-from gateway.rest.status import GatewayView
 from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
 from gateway.tp_check import check_tensor_parallel_layout, check_tensor_parallel_model
 from runtime.engine_flags import add_engine_flags, engine_argv
 from runtime.extras import require_extra
 from runtime.threads import share_of_cores
+
+if TYPE_CHECKING:
+    from gateway.rest.http_server import RestServer
 
 log = get_logger("tessera.serve")
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -204,6 +205,11 @@ def serve_rest(runner: GatewayRunner, host: str = "127.0.0.1", port: int = 8000,
                operator_key: str | None = None) -> RestServer:
     """The shim on a started runner's event loop, its status page reading that gateway;
     `/status` opens to `operator_key` (None: a random one, `server.operator_key`)."""
+    # NOTE: imported here, after the runner started the pool (and its template): FastAPI's
+    # import (~0.4 s of CPU) then runs beside the template's load instead of before it.
+    from gateway.rest.http_server import RestServer
+    from gateway.rest.status import GatewayView
+
     assert runner.gateway is not None, "start the runner first"
     server = RestServer(runner.target, host, port,
                         view=GatewayView(runner.gateway, runner.loop),

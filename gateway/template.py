@@ -73,8 +73,10 @@ class WorkerTemplate:
         self._exit_codes: dict[int, int] = {}
         self._exit_changed = asyncio.Event()
         self.ready = asyncio.Event()  # set once the template has loaded, or failed to
-        self.phases: dict[str, float] = {}
+        self.phases: dict[str, float] = {}  # its load's, wall seconds (CPU: cpu_phases)
+        self.cpu_phases: dict[str, float] = {}
         self.failed: str | None = None
+        self._closing = False
 
     @property
     def alive(self) -> bool:
@@ -109,7 +111,8 @@ class WorkerTemplate:
     def _fail(self, why: str) -> None:
         if self.failed is None:
             self.failed = why
-            log.warning("worker template unavailable: workers are spawned", error=why)
+            if not self._closing:  # NOTE: its exit after close() is no fallback to warn of
+                log.warning("worker template unavailable: workers are spawned", error=why)
         self.ready.set()
         if self._pending is not None and not self._pending.done():
             self._pending.set_exception(TemplateUnavailable(why))
@@ -126,8 +129,12 @@ class WorkerTemplate:
             op = message.get("op")
             if op == "ready":
                 self.phases = message.get("phases", {})
+                self.cpu_phases = message.get("cpu_phases", {})
                 log.info("worker template ready", pid=message.get("pid"), phases=self.phases)
                 self.ready.set()
+            elif op == "phases":  # the load's part done after "ready" (finish_load)
+                self.phases.update(message.get("phases", {}))
+                self.cpu_phases.update(message.get("cpu_phases", {}))
             elif op == "exited":
                 self._exit_codes[int(message["pid"])] = int(message["code"])
                 self._exit_changed.set()
@@ -185,6 +192,7 @@ class WorkerTemplate:
         return None if self._process is None else self._process.pid
 
     async def close(self) -> None:
+        self._closing = True
         proc = self._process
         if proc is None or proc.returncode is not None:
             return

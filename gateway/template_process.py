@@ -1,7 +1,9 @@
 """A model's worker template: one process that has imported torch and tessera, opened the
 checkpoint (tokenizer, GGUF reader), mapped its weights (runtime/loader/mapped.py) and loaded
 the native ops, and that runs no thread, no gRPC object and no OpenMP pool; workers are forked
-from it (Android's zygote, SGLang's forkserver) and finish their start in the child.
+from it (Android's zygote, SGLang's forkserver) and finish their start in the child. What no
+first request needs (llguidance's tokenizer, the tokenizer's plain-text backend) is built after
+"ready", once the template is idle (Template.finish_load), so the first fork does not wait for it.
 
 `python -m gateway.template_process --reply-fd N -- WORKER-ARGV`, started by gateway/template.py.
 Commands arrive as JSON lines on stdin (`{"op": "fork", "argv": [...]}`); replies go to the
@@ -36,23 +38,31 @@ class Template:
     def __init__(self, worker_argv: list[str]) -> None:
         self.worker_argv = worker_argv
         self.phases: dict[str, float] = {}
+        self.cpu_phases: dict[str, float] = {}
+        self._cpu_at = time.process_time()
         self.checkpoint: Any = None
         self.key: Any = None
         self.engine: Any = None  # built and warmed here, for workers (gateway/template_warm.py)
         self.engine_config: Any = None  # its configuration (warm_config of the workers')
+        self.finished = False  # finish_load() has run for this load
         # NOTE: the workers exit with the gateway, not with the template (gateway/worker.py).
         self.gateway_pidfd = os.pidfd_open(os.getppid())
         self.load()
 
     def _mark(self, name: str, since: float) -> float:
-        now = time.perf_counter()
+        """Phase `name` ended: its wall seconds since `since` (perf_counter) in `phases`, its
+        CPU seconds since the previous mark in `cpu_phases` (the steadier number when the host
+        is busy)."""
+        now, cpu = time.perf_counter(), time.process_time()
         self.phases[name] = round(now - since, 4)
+        self.cpu_phases[name] = round(cpu - self._cpu_at, 4)
+        self._cpu_at = cpu
         return now
 
     def load(self) -> None:
         """(Re)open the checkpoint and map its weights, with torch on one thread so that no
         OpenMP pool starts here."""
-        t = time.perf_counter()
+        t, self._cpu_at = time.perf_counter(), time.process_time()
         import torch
 
         torch.set_num_threads(1)
@@ -75,12 +85,6 @@ class Template:
 
         model_class(checkpoint.config)  # its architecture's module, imported once here
         t = self._mark("checkpoint", t)
-        from runtime.grammar import llguidance_tokenizer
-
-        cfg = checkpoint.config
-        llguidance_tokenizer(checkpoint.tokenizer, cfg.vocab_size,
-                             sorted(set(cfg.eos_token_ids)))
-        t = self._mark("grammar_tokenizer", t)
         from runtime.loader.gguf_loader import GGUFCheckpoint
 
         if (config.mapped_weights and config.gguf_weights != "dequantize"
@@ -90,7 +94,7 @@ class Template:
             checkpoint_mapping(checkpoint).prefault()
         t = self._mark("map_weights", t)
         engine = None
-        if config.device == "cpu":  # NOTE: on a GPU, CUDA and the engine start in the child
+        if _computes_on_cpu(config.device):  # NOTE: on a GPU, CUDA and the engine start in a child
             from gateway.template_warm import build_warm_engine, warm_config
 
             self.engine = self.engine_config = None  # the old model's, freed before the new
@@ -102,6 +106,25 @@ class Template:
         # the open makes the next fork reload.
         self.checkpoint, self.key = checkpoint, _opened_stamp(checkpoint)
         self.engine, self.engine_config = engine, None if engine is None else warm_config(config)
+        self.finished = False
+
+    def finish_load(self) -> dict[str, float]:
+        """What no first worker waits for, done once (per load) when the template is idle:
+        llguidance's tokenizer (~0.4 s) and the tokenizer's plain-text backend (~0.15 s), both
+        kept on the checkpoint's tokenizer, so every later fork inherits them (a worker forked
+        before makes its own on first use). The phases it ran, {} when there was nothing left."""
+        from runtime.grammar import llguidance_tokenizer
+
+        if self.finished:
+            return {}
+        self.finished = True  # NOTE: before the build: one that fails is not retried here
+        cfg, tokenizer = self.checkpoint.config, self.checkpoint.tokenizer
+        t, self._cpu_at = time.perf_counter(), time.process_time()
+        llguidance_tokenizer(tokenizer, cfg.vocab_size, sorted(set(cfg.eos_token_ids)))
+        t = self._mark("grammar_tokenizer", t)
+        tokenizer.prepare()
+        self._mark("text_tokenizer", t)
+        return {k: self.phases[k] for k in ("grammar_tokenizer", "text_tokenizer")}
 
     def fork(self, argv: list[str]) -> int:
         """A worker for `argv` (gateway.worker's): its pid. A replaced model file is opened
@@ -131,6 +154,15 @@ class Template:
         from runtime.engine_flags import engine_config
 
         return bool(warm_config(engine_config(parse_args(argv))) == self.engine_config)
+
+
+def _computes_on_cpu(device: str) -> bool:
+    """Whether workers of `device` (EngineConfig.device) compute on the CPU, decided without
+    initialising CUDA (a forked child could not): "auto" is the CPU only on a torch built
+    without CUDA; on a CUDA build it is left to the child."""
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.backends.cuda.is_built())
 
 
 def _source_stamp(path: Path) -> tuple[int, int, int]:
@@ -240,18 +272,31 @@ def _reap(reply_fd: int) -> None:
         _reply(reply_fd, op="exited", pid=pid, code=os.waitstatus_to_exitcode(status))
 
 
+def _finish_load(template: Template, reply_fd: int) -> None:
+    try:
+        phases = template.finish_load()
+    except Exception as e:  # NOTE: a worker builds it itself then, on its first grammar
+        print(f"worker template: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return
+    if phases:
+        _reply(reply_fd, op="phases", phases=phases,
+               cpu_phases={k: template.cpu_phases[k] for k in phases})
+
+
 def serve(reply_fd: int, worker_argv: list[str]) -> int:
     try:
         template = Template(worker_argv)
     except Exception as e:
         _reply(reply_fd, op="error", error=f"{type(e).__name__}: {e}")
         return 2
-    _reply(reply_fd, op="ready", pid=os.getpid(), phases=template.phases, threads=_threads())
+    _reply(reply_fd, op="ready", pid=os.getpid(), phases=template.phases,
+           cpu_phases=template.cpu_phases, threads=_threads())
     buffer = b""
     while True:
         readable, _, _ = select.select([0], [], [], 0.2)
         _reap(reply_fd)
         if not readable:
+            _finish_load(template, reply_fd)
             continue
         chunk = os.read(0, 1 << 16)
         if not chunk:

@@ -44,12 +44,17 @@ def adopt_engine(engine: Any, config: Any) -> None:
     """In a forked worker: make the template's warmed `engine` this worker's, for its own
     `config` (equal to the template's under warm_config): its threads, a fresh seed for
     unseeded requests, the grammar executor, and the shared weights paged in now rather than
-    faulted in by the first request."""
+    faulted in by the first request. A worker forked before the template built llguidance's
+    tokenizer (it does once idle: gateway/template_process.py) leaves it to its first grammar
+    request (GrammarCompiler.matcher) rather than delay its readiness by it (~0.4 s)."""
+    from runtime.grammar import has_llguidance_tokenizer
     from runtime.threads import apply_num_threads
 
     engine.config = config
     engine.num_threads = apply_num_threads(config.num_threads)
     engine.sampler.default_generator.manual_seed(config.seed)
-    engine.grammars.prepare()
+    grammars = engine.grammars
+    if has_llguidance_tokenizer(grammars.tokenizer, grammars.vocab_size, grammars.eos_ids):
+        grammars.prepare()
     engine.checkpoint.populate_pages()
 

@@ -315,13 +315,13 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
 
         adopt_engine(engine, config)
     engine_s = time.monotonic() - started
-    marks["engine"] = time.monotonic()
+    marks["adopt_engine" if adopted else "engine"] = time.monotonic()
     # NOTE: before the socket exists, so the gateway never routes to a worker that would pay
     # a native build or a first-use cost on a client's request (an adopted engine has paid).
     started = time.monotonic()
     if not adopted:
         engine.warm_up()
-    marks["warm_up"] = time.monotonic()
+        marks["warm_up"] = time.monotonic()
     native_ops = native_status() if engine.device.type == "cpu" else ""
     log.info("worker warmed up", worker=worker_id, native_ops=native_ops,
              engine_s=round(engine_s, 3), warm_up_s=round(time.monotonic() - started, 3),
@@ -340,7 +340,8 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
              revision=served.revision, pid=os.getpid())
     marks["serve"] = time.monotonic()
     if args.ready_socket:
-        notify_ready(args.ready_socket, worker_id, marks)
+        # NOTE: a forked child's CPU clock starts at its fork (POSIX times() are reset)
+        notify_ready(args.ready_socket, worker_id, marks, time.process_time())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

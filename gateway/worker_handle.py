@@ -48,6 +48,7 @@ class WorkerHandle:
         self.missed_health = 0
         # phase -> seconds of its start (start_phases), once ready
         self.start_phases: dict[str, float] = {}
+        self.start_cpu_s = float("nan")  # CPU seconds of its start, as it reported them
         self.stderr = StderrTail()  # relayed to the gateway's stderr; its last error line kept
 
     @property
@@ -115,6 +116,7 @@ class WorkerHandle:
             self.state = "ready"
             self.start_phases = start_phases(self.started_at, process_at, report.marks,
                                              self.ready_at)
+            self.start_cpu_s = report.cpu_s
 
     async def read_status(self, timeout_s: float = 2.0) -> wpb.StatusResponse | None:
         try:

@@ -74,17 +74,23 @@ class GrammarMatcher:
 
 def llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int]) -> object:
     """llguidance's tokenizer for `tokenizer`, built once and kept on it: a worker template
-    builds it before forking (it starts no thread; the executor does), so that no forked worker
-    pays it again."""
+    builds it once idle (it starts no thread; the executor does), so that no worker forked
+    afterwards pays it again."""
     import llguidance
 
-    key = (vocab_size, tuple(eos_ids))
     cached = getattr(tokenizer, "_llguidance", None)
-    if cached is None or cached[0] != key:
-        cached = (key, llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
-                                              eos_token=list(eos_ids)))
+    if not has_llguidance_tokenizer(tokenizer, vocab_size, eos_ids):
+        built = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                       eos_token=list(eos_ids))
+        cached = ((vocab_size, tuple(eos_ids)), built)
         tokenizer._llguidance = cached  # type: ignore[attr-defined]
     return cached[1]
+
+
+def has_llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int]) -> bool:
+    """Whether llguidance_tokenizer(...) of these arguments is built already (kept on it)."""
+    cached = getattr(tokenizer, "_llguidance", None)
+    return cached is not None and cached[0] == (vocab_size, tuple(eos_ids))
 
 
 class GrammarCompiler:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +41,28 @@ class Tokenizer:
         # Longest first: at one position the longest literal wins, as the backend matches.
         self._special_pattern = re.compile(
             "(" + "|".join(map(re.escape, self._special_texts)) + ")") if specials else None
-        # NOTE: a second backend that reads special-token literals as text. Neither is mutated
-        # after this, so both may encode from any thread at once.
-        self._text_backend = HFTokenizer.from_str(backend.to_str())
-        self._text_backend.encode_special_tokens = True
+        # NOTE: a second backend that reads special-token literals as text, made on first use
+        # or by prepare() (~0.15 s: no first request without a chat or split_special_tokens
+        # waits for it). Neither is mutated once made, so both may encode from any thread.
+        self._text: HFTokenizer | None = None
+        self._text_lock = threading.Lock()
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = None
+
+    @property
+    def _text_backend(self) -> HFTokenizer:
+        if self._text is None:
+            with self._text_lock:
+                if self._text is None:
+                    text = HFTokenizer.from_str(self.backend.to_str())
+                    text.encode_special_tokens = True
+                    self._text = text
+        return self._text
+
+    def prepare(self) -> None:
+        """Make now what is otherwise made on first use (the plain-text backend): an engine's
+        warm-up and a worker template, once idle, call it."""
+        self._text_backend  # noqa: B018
 
     def encode(self, text: str, add_special_tokens: bool = True,
                split_special_tokens: bool = False) -> list[int]:

@@ -1,18 +1,23 @@
 """Scale from zero: the cold penalty of a pool at zero workers, `tessera serve` start to first
-token, and each worker's memory, with workers forked from a template and spawned afresh.
+token, and each worker's memory, with workers forked from a template and spawned afresh;
+llama-server's start in the same run when given; the start broken down by phase.
 
-    PYTHONPATH=$PWD python3 -m ops.bench.bench_scale_from_zero --trials 20
+    PYTHONPATH=$PWD python3 -m ops.bench.bench_scale_from_zero --trials 20 \
+        [--llama-server PATH --gguf PATH] [--json out.json]
 
 - cold penalty: time to first token of a request (16 prompt tokens, 1 output token) sent to a
   pool that has scaled to zero (`--min-workers 0`, idle TTL 0.3 s), minus the same request's
   time on the worker it woke; p50 and p99 over `--trials`.
 - serve start to first token: `tessera serve` as a fresh process (min 1 worker) until the first
-  token of one such request arrives; median over `--serve-trials`.
-- memory: PSS and private bytes (/proc/PID/smaps_rollup) of each of 2 workers, and private
-  resident bytes, KV pages included (the pool is allocated whole, resident where touched).
-Phases: the template's load phases, and each worker's start by phase as its readiness
-reported it (gateway/readiness.py: start_phases); `--phases-only` measures just those and the
-template's cold penalty, for a quick look.
+  token of one such request arrives; median over `--serve-trials`, with the CPU seconds its
+  process tree had spent by then (ops/bench/start_measures.py). llama-server the same way, when
+  `--llama-server` and `--gguf` are given.
+- memory: PSS and private bytes (/proc/PID/smaps_rollup) of one worker alone, then of each of
+  two, and private resident bytes, KV pages included (the pool is a lazily committed mapping,
+  resident where touched).
+- phases: the template's load (once), and each worker's start by phase as its readiness
+  reported it (gateway/readiness.py: start_phases): fork, map, tokenizer, KV pool, warm-up.
+`--phases-only` measures just the template's cold penalty and its workers' phases.
 Numbers from a shared machine are only as quiet as the machine: say its load beside them.
 """
 
@@ -21,17 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 from gateway.auth import ApiKeys
 from gateway.client import Client
 from gateway.runner import GatewayRunner
 from gateway.supervisor import PoolConfig
+from ops.bench.scale_report import report
+from ops.bench.start_measures import kv_pool_cost, llama_server_start, serve_start
 
 KEY, MODEL = "bench-key", "bench"
 PROMPT = list(range(1000, 1016))  # 16 prompt tokens
@@ -80,12 +83,15 @@ def cold_penalty(template: bool, trials: int) -> dict[str, object]:
         for _ in range(trials):
             _wait(lambda: not pool.live())
             cold = _ttft(runner.target)
-            ready = [(w.cold_start_s, w.start_phases) for w in pool.ready()]
+            ready = [(w.cold_start_s, w.start_phases, w.start_cpu_s) for w in pool.ready()]
             warm = _ttft(runner.target)
             rows.append({"cold_s": cold, "warm_s": warm, "penalty_s": cold - warm,
                          "worker_ready_s": ready[0][0] if ready else float("nan"),
-                         "phases_s": ready[0][1] if ready else {}})
-        phases = dict(pool._template.phases) if pool._template is not None else {}
+                         "phases_s": ready[0][1] if ready else {},
+                         "worker_cpu_s": ready[0][2] if ready else float("nan")})
+        t = pool._template
+        phases = {} if t is None else dict(t.phases)
+        cpu_phases = {} if t is None else dict(t.cpu_phases)
     finally:
         runner.stop()
     pen = [r["penalty_s"] for r in rows]
@@ -94,7 +100,8 @@ def cold_penalty(template: bool, trials: int) -> dict[str, object]:
                 r["warm_s"] for r in rows),
             "worker_ready_p50_s": statistics.median(r["worker_ready_s"] for r in rows),
             "worker_phases_p50_s": _phase_medians([r["phases_s"] for r in rows]),
-            "template_phases_s": phases, "rows": rows}
+            "worker_cpu_p50_s": statistics.median(r["worker_cpu_s"] for r in rows),
+            "template_phases_s": phases, "template_cpu_phases_s": cpu_phases, "rows": rows}
 
 
 def _phase_medians(trials: list[dict[str, float]]) -> dict[str, float]:
@@ -121,57 +128,40 @@ def memory(template: bool) -> list[dict[str, float]]:
     out = []
     try:
         _ttft(runner.target)
+        out.append(_memory_row("1 alone", pool.ready()[0].pid))
         runner.call(_grow(pool), timeout_s=600)
         _wait(lambda: len(pool.ready()) == 2, 600)
         _ttft(runner.target)
         for i, w in enumerate(sorted(pool.ready(), key=lambda w: w.started_at)):
-            m = _smaps(w.pid)
-            private = m.get("Private_Clean", 0) + m.get("Private_Dirty", 0)
-            out.append({"worker": i + 1, "pss_mib": m.get("Pss", 0) / 2**20,
-                        "private_mib": private / 2**20, "rss_mib": m.get("Rss", 0) / 2**20})
+            out.append(_memory_row(f"{i + 1} of 2", w.pid))
+        if pool._template is not None and pool._template.pid is not None:
+            out.append(_memory_row("the template", pool._template.pid))
     finally:
         runner.stop()
     return out
+
+
+def _memory_row(worker: str, pid: int) -> dict[str, object]:
+    m = _smaps(pid)
+    private = m.get("Private_Clean", 0) + m.get("Private_Dirty", 0)
+    return {"worker": worker, "pss_mib": m.get("Pss", 0) / 2**20,
+            "private_mib": private / 2**20, "rss_mib": m.get("Rss", 0) / 2**20}
 
 
 async def _grow(pool) -> None:  # type: ignore[no-untyped-def]
     pool._spawn()  # NOTE: a second worker on demand, as a burst would start it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def serve_start(template: bool) -> float:
-    """Seconds from `tessera serve` exec to the first token of one request."""
-    port = _free_port()
-    with tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False) as f:
-        f.write(f"{KEY}=bench\n")
-    cmd = [sys.executable, "-m", "ops.cli", "serve", "--grpc-port", str(port),
-           "--api-keys", f.name, "--model-id", MODEL, "--min-workers", "1",
-           "--max-workers", "2" if template else "1", "--worker-threads", "1",
-           "--kv-cache-bytes", str(KV_BYTES), "--no-http"]
-    if not template:
-        cmd.append("--no-worker-template")
-    started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _llama_server(args: argparse.Namespace) -> list[dict[str, float]] | str:
+    if not (args.llama_server and args.gguf):
+        return "no --llama-server PATH --gguf PATH given"
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tessera serve exited with {proc.returncode}")
-            try:
-                _ttft(f"127.0.0.1:{port}")
-                return time.monotonic() - started
-            except Exception:  # not up yet: UNAVAILABLE, or no worker yet
-                if time.monotonic() - started > 600:
-                    raise
-                time.sleep(0.05)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        os.unlink(f.name)
+        return [llama_server_start(args.llama_server, args.gguf, " ".join(["Hello"] * 16))
+                for _ in range(args.serve_trials)]
+    except (OSError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,47 +169,29 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--serve-trials", type=int, default=3)
+    p.add_argument("--llama-server", default=None, help="a llama-server binary, started as "
+                   "tessera serve is (2 threads) and timed to its first token")
+    p.add_argument("--gguf", default=None, help="the GGUF llama-server loads (the default "
+                   "model's: python -c 'from runtime.loader import default_model_path as d; "
+                   "print(d())')")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--phases-only", action="store_true",
                    help="only the template's cold penalty and its workers' start phases")
     args = p.parse_args(argv)
-    load = os.getloadavg()[0]
-    results: dict[str, object] = {"loadavg_1m": load, "cores": os.cpu_count()}
+    results: dict[str, object] = {"loadavg_1m": os.getloadavg()[0], "cores": os.cpu_count(),
+                                  "kv_bytes": KV_BYTES}
     if args.phases_only:
-        cold = cold_penalty(True, args.trials)
-        print(f"load average {load:.1f} on {os.cpu_count()} cores; {cold['trials']} trials")
-        print(f"cold penalty p50 {cold['p50_s'] * 1e3:.0f} ms, p99 {cold['p99_s'] * 1e3:.0f} "
-              f"ms; warm TTFT p50 {cold['warm_p50_s'] * 1e3:.0f} ms")
-        print("forked worker's start, median per phase (ms):",
-              json.dumps({k: round(v * 1e3, 1)
-                          for k, v in cold["worker_phases_p50_s"].items()}))  # type: ignore[union-attr]
-        return 0
-    for template in (True, False):
-        name = "template" if template else "spawn"
-        results[f"cold_{name}"] = cold_penalty(template, args.trials)
-        results[f"serve_{name}_s"] = [serve_start(template) for _ in range(args.serve_trials)]
-        results[f"memory_{name}"] = memory(template)
-    print(f"load average {load:.1f} on {os.cpu_count()} cores\n")
-    print("| workers from | cold penalty p50 (ms) | p99 (ms) | trials | warm TTFT p50 (ms) | "
-          "worker ready p50 (s) | serve start to first token (s, median) |\n"
-          "|---|---|---|---|---|---|---|")
-    for name in ("template", "spawn"):
-        c = results[f"cold_{name}"]
-        assert isinstance(c, dict)
-        serve = statistics.median(results[f"serve_{name}_s"])  # type: ignore[arg-type]
-        print(f"| {name} | {c['p50_s'] * 1e3:.0f} | {c['p99_s'] * 1e3:.0f} | {c['trials']} | "
-              f"{c['warm_p50_s'] * 1e3:.0f} | {c['worker_ready_p50_s']:.2f} | {serve:.2f} |")
-    print(f"\n| workers from | worker | PSS (MiB) | private (MiB, touched KV included; pool "
-          f"{KV_BYTES >> 20} MiB) | RSS (MiB) |\n|---|---|---|---|---|")
-    for name in ("template", "spawn"):
-        for m in results[f"memory_{name}"]:  # type: ignore[union-attr]
-            print(f"| {name} | {m['worker']} | {m['pss_mib']:.0f} | {m['private_mib']:.0f} | "
-                  f"{m['rss_mib']:.0f} |")
-    phases = results["cold_template"]["template_phases_s"]  # type: ignore[index]
-    print("\ntemplate load phases (s, once per template):", json.dumps(phases))
-    for name in ("template", "spawn"):
-        worker = results[f"cold_{name}"]["worker_phases_p50_s"]  # type: ignore[index]
-        print(f"worker start phases, {name} (s, median):", json.dumps(worker))
+        results["cold_template"] = cold_penalty(True, args.trials)
+    else:
+        for template in (True, False):
+            name = "template" if template else "spawn"
+            results[f"cold_{name}"] = cold_penalty(template, args.trials)
+            results[f"serve_{name}"] = [serve_start(template, _ttft, KEY, MODEL, KV_BYTES)
+                                        for _ in range(args.serve_trials)]
+            results[f"memory_{name}"] = memory(template)
+        results["llama_server"] = _llama_server(args)
+        results["kv_pool"] = kv_pool_cost(KV_BYTES)
+    print(report(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -51,6 +51,7 @@ class Drivers:
         native ops are built or loaded and first-use costs are paid before any client waits.
         Shorter than a page: it leaves nothing in the prefix cache."""
         self.grammars.prepare()
+        self.tokenizer.prepare()
         rid = "__warm_up__"
         prompt = list(range(1, min(4, self.pool.page_size - 2) + 1))
         self.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0,

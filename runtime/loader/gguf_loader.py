@@ -146,8 +146,9 @@ def _reader_class() -> type:
     """gguf's reader, slicing a plain ndarray view of its memory map: the stock one slices the
     `np.memmap` itself, and numpy's per-slice memmap bookkeeping over the default model's
     ~100,000 vocabulary strings cost 2.6 s of CPU per open, against 0.7 s this way (same
-    fields and tensors; `ops/bench/RESULTS-log.md#worker-start-up-phases`). The arrays it
-    returns are read-only views of the same mapping, as before."""
+    fields and tensors; `ops/bench/RESULTS-log.md#worker-start-up-phases`), and its array
+    fields read in bulk (runtime/loader/gguf_fields.py; 0.1 s). The tensors it returns are
+    read-only views of the same mapping, as before."""
     import gguf
 
     class PlainViewReader(gguf.GGUFReader):
@@ -160,6 +161,11 @@ def _reader_class() -> type:
             arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
             order = self.byte_order if override_order is None else override_order
             return arr.view(arr.dtype.newbyteorder(order))
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            from runtime.loader.gguf_fields import build_fields
+
+            return build_fields(self, offs, count)
 
     return PlainViewReader
 

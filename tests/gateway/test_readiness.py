@@ -5,6 +5,7 @@ from another pid and on a process that exits before it reports."""
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,25 @@ def test_the_expected_worker_s_message_resolves_to_its_pid(tmp_path: Path) -> No
 
     reported, pid = asyncio.run(run())
     assert reported == pid
+
+
+def test_the_cpu_seconds_a_worker_reports_reach_the_gateway(tmp_path: Path) -> None:
+    async def run() -> tuple[float, float]:
+        listener = ReadinessListener(str(tmp_path / "ready.sock"))
+        try:
+            said, unsaid = listener.expect("w-1"), listener.expect("w-2")
+            code = ("from gateway.readiness import notify_ready; "
+                    f"notify_ready({listener.path!r}, 'w-1', cpu_s=0.25); "
+                    f"notify_ready({listener.path!r}, 'w-2')")
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code)
+            await proc.wait()
+            return ((await asyncio.wait_for(said, 10)).cpu_s,
+                    (await asyncio.wait_for(unsaid, 10)).cpu_s)
+        finally:
+            listener.close()
+
+    said, unsaid = asyncio.run(run())
+    assert said == 0.25 and math.isnan(unsaid)
 
 
 def test_messages_for_no_expected_worker_or_garbled_are_dropped(tmp_path: Path) -> None:

@@ -82,6 +82,16 @@ def test_every_worker_of_a_template_pool_is_forked(forked_pair: GatewayRunner) -
             assert int(f.read().rsplit(")", 1)[1].split()[1]) == template.pid  # its parent
 
 
+def test_forked_workers_of_the_default_device_adopt_the_templates_warm_engine(
+        forked_pair: GatewayRunner) -> None:
+    # the pool names no --device: "auto", the CPU on this torch; the template built and warmed
+    # the workers' engine once, and each fork adopted it instead of building and warming its own
+    assert "--device" not in forked_pair.gateway.pools[MODEL].config.worker_args
+    assert "engine_warm_up" in _template(forked_pair).phases
+    for w in forked_pair.gateway.pools[MODEL].ready():
+        assert "adopt_engine" in w.start_phases and "warm_up" not in w.start_phases
+
+
 def test_forked_greedy_output_equals_a_spawned_workers(forked_pair: GatewayRunner) -> None:
     spawned = _runner(min_workers=1, max_workers=1, template=False)
     try:
