@@ -7,6 +7,8 @@ with its phase's model; both write KV into the one cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -14,6 +16,7 @@ from runtime.attention import AttentionBackend, BatchLayout
 from runtime.context import ForwardContext, forward_context
 from runtime.kv.cache import KVCache
 from runtime.scheduler import ScheduledSequence, SchedulerOutput
+from runtime.sequence import Sequence
 
 
 class ModelRunner:
@@ -25,6 +28,9 @@ class ModelRunner:
         self.page_size = kv_cache.spec.page_size
         self.device = device
         self.backend = backend
+        # the device tag pass's flags for sequences in a given order (DeviceTagIntegrityTracker
+        # .valid_rows), passed to the backend in the layout; None: checked on the host
+        self.valid_rows: Callable[[list[Sequence]], torch.Tensor | None] | None = None
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSequence], torch.Tensor]:
@@ -97,6 +103,7 @@ class ModelRunner:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
+        valid = None if self.valid_rows is None else self.valid_rows([i.seq for i in ordered])
         return BatchLayout(num_decodes, self.page_size, query_lens, seq_lens, num_pages,
                            tensor(cu_q), tensor(cu_k), tensor(flat).view(len(ordered), max_pages),
-                           tensor(slots))
+                           tensor(slots), valid)

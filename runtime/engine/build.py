@@ -110,6 +110,7 @@ class EngineBuild:
         self.tracker = self.attention.integrity_tracker(config.integrity, self.pool)
         if self.tp is not None:
             self.tracker = TensorParallelIntegrityTracker(self.tracker, self.tp)
+        self.runner.valid_rows = getattr(self.tracker, "valid_rows", None)
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         sorted(self.eos_ids))
