@@ -14,6 +14,7 @@ from torch import nn
 
 from runtime.attention import AttentionBackend, BatchLayout
 from runtime.context import ForwardContext, forward_context
+from runtime.decode_graphs import DecodeGraphRunner
 from runtime.kv.cache import KVCache
 from runtime.scheduler import ScheduledSequence, SchedulerOutput
 from runtime.sequence import Sequence
@@ -31,6 +32,8 @@ class ModelRunner:
         # the device tag pass's flags for sequences in a given order (DeviceTagIntegrityTracker
         # .valid_rows), passed to the backend in the layout; None: checked on the host
         self.valid_rows: Callable[[list[Sequence]], torch.Tensor | None] | None = None
+        # all-decode steps on static per-bucket buffers (CUDA graphs on CUDA), or None
+        self.graphs: DecodeGraphRunner | None = None
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSequence], torch.Tensor]:
@@ -67,11 +70,16 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append(item)
         layout = self._layout(ordered, len(decodes), slots)
-        meta = self.backend.build_metadata(layout)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with forward_context(ForwardContext(meta, self.kv_cache, self.backend)):
-            hidden = model(ids_t, pos_t)
+        graphs = self.graphs
+        if (not prefills and graphs is not None and model is graphs.model
+                and graphs.bucket_for(len(decodes)) is not None):
+            hidden = graphs.run(layout, input_ids, positions, slots)
+        else:
+            meta = self.backend.build_metadata(layout)
+            ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+            with forward_context(ForwardContext(meta, self.kv_cache, self.backend)):
+                hidden = model(ids_t, pos_t)
         offset = len(decodes)
         for item in prefills:
             sink = None if item.seq.state is None else item.seq.state.prompt_logits

@@ -56,8 +56,9 @@ def masked_slots(slots: torch.Tensor, seq_valid: torch.Tensor,
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     runs_fused_decode = False
-    # NOTE: kernels and grids are capture-safe (no host sync, grids by bucket); the metadata
-    # tensors are still built fresh each step, so the engine may not capture yet
+    # NOTE: kernels and grids are capture-safe (no host sync, grids by bucket); `build_metadata`
+    # builds fresh tensors each step, so only runtime/decode_graphs.py's static buffers
+    # (`static_decode_metadata`) may be captured: that runner sets this True when it is used
     cuda_graph_safe = False
 
     def __init__(self, device: torch.device) -> None:
@@ -82,6 +83,18 @@ class TritonAttentionBackend(AttentionBackend):
             seq_lens=seq_lens, block_table=layout.block_table,
             max_seqlen_q=max(layout.query_lens, default=0), num_decodes=layout.num_decodes,
             batch_bucket=1 << max(0, (n - 1).bit_length()), seq_valid=layout.seq_valid)
+
+    def static_decode_metadata(self, slots: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               seq_lens: torch.Tensor, block_table: torch.Tensor,
+                               seq_valid: torch.Tensor, bucket: int) -> TritonMetadata:
+        """An all-decode step of `bucket` rows from fixed buffers alone (what a CUDA graph
+        captures; runtime/decode_graphs.py): slots [bucket] long (a row whose flag in
+        seq_valid [bucket] int32 is 0 writes nothing), cu_seqlens_q [bucket + 1] int32,
+        seq_lens [bucket], block_table [bucket, max_pages] long."""
+        return TritonMetadata(
+            slots.masked_fill(seq_valid == 0, -1), [], [], cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens, block_table=block_table, max_seqlen_q=1, num_decodes=bucket,
+            batch_bucket=bucket, seq_valid=seq_valid)
 
     def store_kv(self, meta: AttentionMetadata, kv: LayerKV, k: torch.Tensor,
                  v: torch.Tensor) -> None:
