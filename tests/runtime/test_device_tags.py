@@ -164,3 +164,21 @@ def test_the_device_pool_state_follows_the_pool_page_by_page():
     assert tags[fresh.page_id] == fresh.tag
     state.flush()
     assert state.pages_sent == 5, "nothing changed: nothing sent"
+
+
+def test_a_mid_prompt_chunk_is_checked_before_the_step_it_cannot_tell_of():
+    # a chunk that samples nothing would never show the sentinel: such a step reads the
+    # causes back first and aborts before any KV is read or written, as on CPU
+    engine = LLMEngine(tiny_random_checkpoint(), EngineConfig(
+        kv_cache_bytes=1 << 20, attention_backend="triton", enable_prefix_caching=False,
+        max_num_batched_tokens=16))
+    engine.add_request("long", list(range(5, 45)), PARAMS)  # 40 tokens: chunks of 16, 16, 8
+    engine.step()
+    FaultInjector(engine).bump_tag("long", index=0)
+    kv_before = engine.kv_cache.k.clone()
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["long"] and outs[0].finished
+    assert isinstance(outs[0].error, KVIntegrityViolation)
+    assert outs[0].error.metadata["cause"] == "stale_tag"
+    assert torch.equal(engine.kv_cache.k, kv_before), "no KV written by the aborted chunk"
+    assert not engine.has_unfinished_requests()
