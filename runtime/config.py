@@ -160,6 +160,11 @@ class EngineConfig:
     # runtime.attention.BACKENDS: "cpu", "torch", "triton", or "auto" (cpu on CPU, triton on
     # CUDA where triton is installed, else torch)
     attention_backend: str = "auto"
+    # All-decode steps on static per-bucket buffers (runtime/decode_graphs.py), where the
+    # attention backend builds metadata from them (triton): "auto" captures a CUDA graph per
+    # bucket at warm-up on CUDA (eager over the buffers on CPU), "eager" never captures,
+    # "off" builds every step's metadata afresh.
+    decode_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
@@ -189,6 +194,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise InvalidArgument(f"attention_backend must be auto, cpu, torch or triton, got "
                                   f"{self.attention_backend!r}", field="attention_backend")
+        if self.decode_graphs not in ("auto", "eager", "off"):
+            raise InvalidArgument(f"decode_graphs must be auto, eager or off, got "
+                                  f"{self.decode_graphs!r}", field="decode_graphs")
         if self.device.split(":", 1)[0] not in DEVICES:
             raise InvalidArgument(f"device must be one of {', '.join(DEVICES)}, got "
                                   f"{self.device!r}", field="device")

@@ -183,4 +183,5 @@ class TensorParallelIntegrityTracker:
             for ref in seqs[i].recorded_pages:
                 if ref.page_id == v.page_id and self.pool.is_live(ref):
                     self.pool.tags[ref.page_id] += 1  # retire it here too
+                    self.pool.touch(ref.page_id)
         return [first[i] for i in sorted(first)]

@@ -55,6 +55,10 @@ FLAGS: tuple[Flag, ...] = (
          "step), torch (the torch reference, any device), triton (the Triton kernels: CUDA, "
          "or CPU under TRITON_INTERPRET=1; the cuda extra), auto (cpu on CPU, triton on CUDA)",
          _DEFAULTS.attention_backend, choices=("auto", "cpu", "torch", "triton")),
+    Flag("decode-graphs", "all-decode steps on static per-batch-bucket buffers (triton "
+         "backend): auto (a CUDA graph per bucket, captured at warm-up, on CUDA), eager (the "
+         "buffers, never captured), off", _DEFAULTS.decode_graphs,
+         choices=("auto", "eager", "off")),
     Flag("kv-cache-dtype", "KV page format ('auto' = the compute dtype; fp8 e4m3 and int8 "
          "store 1 byte per element plus a bf16 scale per token and KV head: ~1.9x the tokens "
          "of bf16; int8 is the more accurate of the two)", "auto",
@@ -139,6 +143,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         tenant_page_quota=args.tenant_page_quota, integrity=args.integrity,
                         device=getattr(args, "device", _DEFAULTS.device),
                         attention_backend=getattr(args, "attention_backend", "auto"),
+                        decode_graphs=getattr(args, "decode_graphs", "auto"),
                         gguf_weights=getattr(args, "gguf_weights", "auto"),
                         gguf_activations=getattr(args, "gguf_activations", "auto"),
                         mapped_weights=not getattr(args, "no_mapped_weights", False),

@@ -40,6 +40,7 @@ class FaultInjector:
         """A page's generation moves on under a sequence that still maps it."""
         page_id = self._seq(request_id).recorded_pages[index].page_id
         self.pool.tags[page_id] += 1
+        self.pool.touch(page_id)
         return page_id
 
     def swap_entries(self, request_id: str, i: int = 0, j: int = -1) -> None:
@@ -78,3 +79,4 @@ class FaultInjector:
         if page_id in pool._free:
             pool._free.remove(page_id)
         pool._free.appendleft(page_id)
+        pool.touch(page_id)

@@ -7,13 +7,17 @@ with its phase's model; both write KV into the one cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from runtime.attention import AttentionBackend, BatchLayout
 from runtime.context import ForwardContext, forward_context
+from runtime.decode_graphs import DecodeGraphRunner
 from runtime.kv.cache import KVCache
 from runtime.scheduler import ScheduledSequence, SchedulerOutput
+from runtime.sequence import Sequence
 
 
 class ModelRunner:
@@ -25,6 +29,11 @@ class ModelRunner:
         self.page_size = kv_cache.spec.page_size
         self.device = device
         self.backend = backend
+        # the device tag pass's flags for sequences in a given order (DeviceTagIntegrityTracker
+        # .valid_rows), passed to the backend in the layout; None: checked on the host
+        self.valid_rows: Callable[[list[Sequence]], torch.Tensor | None] | None = None
+        # all-decode steps on static per-bucket buffers (CUDA graphs on CUDA), or None
+        self.graphs: DecodeGraphRunner | None = None
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSequence], torch.Tensor]:
@@ -61,11 +70,16 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append(item)
         layout = self._layout(ordered, len(decodes), slots)
-        meta = self.backend.build_metadata(layout)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with forward_context(ForwardContext(meta, self.kv_cache, self.backend)):
-            hidden = model(ids_t, pos_t)
+        graphs = self.graphs
+        if (not prefills and graphs is not None and model is graphs.model
+                and graphs.bucket_for(len(decodes)) is not None):
+            hidden = graphs.run(layout, input_ids, positions, slots)
+        else:
+            meta = self.backend.build_metadata(layout)
+            ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+            with forward_context(ForwardContext(meta, self.kv_cache, self.backend)):
+                hidden = model(ids_t, pos_t)
         offset = len(decodes)
         for item in prefills:
             sink = None if item.seq.state is None else item.seq.state.prompt_logits
@@ -97,6 +111,7 @@ class ModelRunner:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
+        valid = None if self.valid_rows is None else self.valid_rows([i.seq for i in ordered])
         return BatchLayout(num_decodes, self.page_size, query_lens, seq_lens, num_pages,
                            tensor(cu_q), tensor(cu_k), tensor(flat).view(len(ordered), max_pages),
-                           tensor(slots))
+                           tensor(slots), valid)

@@ -15,6 +15,8 @@ import torch
 from runtime.grammar import TokenMasks, apply_token_masks
 from runtime.sampling_params import SamplingParams
 
+INVALID_TOKEN = -1  # what a row the device tag pass failed samples (no token id is negative)
+
 
 @dataclass
 class SamplerOutput:
@@ -31,9 +33,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  histories: list[tuple[list[int], list[int]]],
                  generators: list[torch.Generator | None],
-                 masks: TokenMasks | None = None) -> SamplerOutput:
+                 masks: TokenMasks | None = None,
+                 valid: torch.Tensor | None = None) -> SamplerOutput:
         # logits: [rows, vocab]; histories: (prompt ids, output ids) per row; masks: the
-        # constrained rows' allowed tokens (logprobs stay those of the unconstrained model)
+        # constrained rows' allowed tokens (logprobs stay those of the unconstrained model);
+        # valid: [rows] int, the device tag pass's flags: a 0 row samples INVALID_TOKEN (-1),
+        # so the token copy below tells the host of it (no copy of its own)
         logits = logits.float()
         raw = logits
         if masks is not None:
@@ -59,9 +64,13 @@ class Sampler:
                 gen = generators[i] or self.default_generator
                 noise = torch.empty_like(probs[j]).exponential_(generator=gen)
                 chosen[i] = (probs[j] / noise).argmax()
+        if valid is not None:
+            chosen = torch.where(valid.to(chosen.device) != 0, chosen,
+                                 torch.full_like(chosen, INVALID_TOKEN))
         token_ids = chosen.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(params)
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        want = [i for i, p in enumerate(params)
+                if p.logprobs is not None and token_ids[i] != INVALID_TOKEN]
         if want:
             lp = torch.log_softmax(raw[want], dim=-1)
             for j, i in enumerate(want):

@@ -202,9 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntag pass, {sizes.tag_batch} x {sizes.tag_context} "
           f"({sizes.tag_batch * sizes.tag_context // PAGE} pages): {us:.1f} us")
 
-    print("\n## TODO (issue 29, needs the device seam): engine end to end NOT MEASURED")
-    print("decode tok/s at concurrency 1/8/32/64 for BF16 and FP8 KV under one KV budget, the")
-    print("tag check on vs off, CUDA-graph replay vs eager: not yet measured; no number claimed.")
+    print("\nthe engine end to end (decode tok/s, graphs on/off, the tag pass's cost): "
+          "ops/bench/gpu_check_engine.py")
     return 0
 
 

@@ -8,6 +8,7 @@ device-side description of the batch; each backend derives what its kernels need
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,9 @@ class BatchLayout:
     cu_seqlens_k: torch.Tensor  # [B + 1] long: cumulative seq_lens
     block_table: torch.Tensor  # [B, max_pages] long page ids, rows padded with 0
     slot_mapping: torch.Tensor  # [T] long: flat KV slot (page_id * page_size + offset) per token
+    # [B] int32: the device tag pass's flag per sequence (0: it failed; read and write no KV),
+    # or None where the pages were checked on the host before the step
+    seq_valid: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -69,7 +73,7 @@ class BatchLayout:
         return slices
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     """Builds its metadata from a `BatchLayout`, stores K/V and attends, layer by layer.
 
     Capability flags: `runs_fused_decode` (it may run a whole all-decode step in one call,
@@ -81,18 +85,19 @@ class AttentionBackend:
     runs_fused_decode = False
     cuda_graph_safe = False
 
+    @abc.abstractmethod
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
-        raise NotImplementedError
+        """This backend's metadata for the step `layout` describes."""
 
+    @abc.abstractmethod
     def store_kv(self, meta: AttentionMetadata, kv: LayerKV, k: torch.Tensor,
                  v: torch.Tensor) -> None:
         """k, v: [T, kv_heads, dim] written to the layer's pages at `meta.slot_mapping`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def attend(self, meta: AttentionMetadata, kv: LayerKV, q: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q: [T, heads, dim] (after this step's K/V are stored) -> [T, heads * dim]."""
-        raise NotImplementedError
 
     def run_fused_decode(self, model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata, kv_cache: object) -> torch.Tensor | None:

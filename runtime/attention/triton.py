@@ -38,13 +38,27 @@ class TritonMetadata(AttentionMetadata):
     max_seqlen_q: int = 0
     num_decodes: int = 0
     batch_bucket: int = 1  # num sequences rounded up to a power of two
+    seq_valid: torch.Tensor | None = None  # [B] int32: the tag pass's flags (0: no KV read)
+
+
+def masked_slots(slots: torch.Tensor, seq_valid: torch.Tensor,
+                 query_lens: list[int]) -> torch.Tensor:
+    """slots [T] with -1 for every token of a sequence whose flag (seq_valid [B]) is 0; a
+    device op (no host read). query_lens: [B] tokens per sequence, summing to T."""
+    if len(query_lens) == slots.shape[0]:  # one token each (decodes)
+        token_valid = seq_valid
+    else:
+        counts = torch.tensor(query_lens, device=seq_valid.device)
+        token_valid = seq_valid.repeat_interleave(counts, output_size=slots.shape[0])
+    return torch.where(token_valid != 0, slots, torch.full_like(slots, -1))
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     runs_fused_decode = False
-    # NOTE: kernels and grids are capture-safe (no host sync, grids by bucket); the metadata
-    # tensors are still built fresh each step, so the engine may not capture yet
+    # NOTE: kernels and grids are capture-safe (no host sync, grids by bucket); `build_metadata`
+    # builds fresh tensors each step, so only runtime/decode_graphs.py's static buffers
+    # (`static_decode_metadata`) may be captured: that runner sets this True when it is used
     cuda_graph_safe = False
 
     def __init__(self, device: torch.device) -> None:
@@ -61,11 +75,26 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         n = layout.num_sequences
         seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int32, device=self.device)
+        slots = layout.slot_mapping
+        if layout.seq_valid is not None:  # a failed sequence writes no KV either (slot -1)
+            slots = masked_slots(slots, layout.seq_valid, layout.query_lens)
         return TritonMetadata(
-            layout.slot_mapping, [], [], cu_seqlens_q=layout.cu_seqlens_q.to(torch.int32),
+            slots, [], [], cu_seqlens_q=layout.cu_seqlens_q.to(torch.int32),
             seq_lens=seq_lens, block_table=layout.block_table,
             max_seqlen_q=max(layout.query_lens, default=0), num_decodes=layout.num_decodes,
-            batch_bucket=1 << max(0, (n - 1).bit_length()))
+            batch_bucket=1 << max(0, (n - 1).bit_length()), seq_valid=layout.seq_valid)
+
+    def static_decode_metadata(self, slots: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               seq_lens: torch.Tensor, block_table: torch.Tensor,
+                               seq_valid: torch.Tensor, bucket: int) -> TritonMetadata:
+        """An all-decode step of `bucket` rows from fixed buffers alone (what a CUDA graph
+        captures; runtime/decode_graphs.py): slots [bucket] long (a row whose flag in
+        seq_valid [bucket] int32 is 0 writes nothing), cu_seqlens_q [bucket + 1] int32,
+        seq_lens [bucket], block_table [bucket, max_pages] long."""
+        return TritonMetadata(
+            slots.masked_fill(seq_valid == 0, -1), [], [], cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens, block_table=block_table, max_seqlen_q=1, num_decodes=bucket,
+            batch_bucket=bucket, seq_valid=seq_valid)
 
     def store_kv(self, meta: AttentionMetadata, kv: LayerKV, k: torch.Tensor,
                  v: torch.Tensor) -> None:
@@ -90,7 +119,8 @@ class TritonAttentionBackend(AttentionBackend):
         return launch.paged_attention(
             q.contiguous(), kv.k, kv.v, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
             scale, kv.k_scale, kv.v_scale, kv.hadamard, kv.k_channel_scale,
-            kv.v_channel_scale, num_splits=splits, max_seqlen_q=meta.max_seqlen_q)
+            kv.v_channel_scale, num_splits=splits, seq_valid=meta.seq_valid,
+            max_seqlen_q=meta.max_seqlen_q)
 
     def integrity_tracker(self, name: str, pool: PagePool) -> object:
         """`tags`: the batched device pass (`DeviceTagIntegrityTracker`); `off`: the no-op."""

@@ -3,9 +3,18 @@
 The same decision as `runtime.integrity.TagIntegrityTracker` (every page a scheduled sequence
 reads must be the page it recorded, at the recorded tag, still held, with the recorded owner),
 computed by the Triton `verify_pages` kernel over the step's [sequences, max_pages] tables in
-one launch: a valid flag and a first cause per sequence. A failed sequence becomes the same
-`Violation` (the engine aborts it with KV_INTEGRITY_VIOLATION, fail-closed), and its flag is
-kept in `last_valid` for kernels that obey one (`launch.paged_attention(seq_valid=...)`).
+one launch: a valid flag and a first cause per sequence. The pool's tags, owners and refcounts
+live on the device (`DevicePoolState`, updated from the pool's change listener where pages are
+allocated, shared, freed and retagged, never copied whole).
+
+Two ways to learn the result. `verify_batch` reads the causes back (one copy) and returns the
+violations before the step, as the host tracker does. `launch` reads nothing: attention
+(`seq_valid`: an invalid sequence reads no KV, writes none, outputs zeros) and the sampler (an
+invalid row samples `INVALID_TOKEN`) obey the flag on the device, and the engine learns of a
+failed sequence from the token copy it already makes, then `explain`s it on the host (the rare
+path) and aborts it with KV_INTEGRITY_VIOLATION, fail-closed. The engine launches where every
+scheduled sequence samples this step (so each one's flag reaches a token) and verifies
+otherwise (a mid-prompt chunk samples nothing).
 """
 
 from __future__ import annotations
@@ -18,7 +27,12 @@ from kernels.triton import launch
 from kernels.verify_pages import CAUSES, ref_verify_pages
 from runtime.integrity import TagIntegrityTracker, Violation, checked_entries
 from runtime.kv.pages import PagePool, PageRef
+from runtime.sampler import INVALID_TOKEN
 from runtime.sequence import Sequence
+
+__all__ = ["INVALID_TOKEN", "DevicePoolState", "DeviceTagIntegrityTracker", "to_device"]
+# a flag the device failed that the host finds no reason for: still aborted (fail-closed)
+MIRROR_MISMATCH = "device_mirror_mismatch"
 
 
 def pairs_fields(pairs: list[tuple[PageRef, PageRef]]) -> list[tuple[int, int, int, int]]:
@@ -26,34 +40,74 @@ def pairs_fields(pairs: list[tuple[PageRef, PageRef]]) -> list[tuple[int, int, i
     return [(a.page_id, r.page_id, r.tag, r.owner) for a, r in pairs]
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device's queue: pinned, then copied
+    asynchronously on CUDA (a pageable copy would wait); itself on CPU."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class DevicePoolState:
+    """The pool's tags, owner codes and refcounts as [num_pages] int64 tensors on `device`,
+    kept in step with the host arrays: the pool's listener marks a page dirty, `flush` sends
+    the dirty pages' values in one copy (two small ones: ids and values) before a pass.
+
+    A separate copy on CPU too (not the zero-copy views), so that the CPU suite runs the path
+    the GPU takes.
+    """
+
+    def __init__(self, pool: PagePool, device: torch.device) -> None:
+        self.device = device
+        self._host = (torch.frombuffer(pool.tags, dtype=torch.int64),
+                      torch.frombuffer(pool.owner_codes, dtype=torch.int64),
+                      torch.frombuffer(pool.refcounts, dtype=torch.int64))
+        self.tensors = tuple(t.clone().to(device) for t in self._host)
+        self._dirty: set[int] = set()
+        self.pages_sent = 0  # dirty pages flushed so far (for tests and the bench)
+        pool.listeners.append(self._dirty.add)
+
+    def flush(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tags, owners, refcounts) on the device, current as of now."""
+        if self._dirty:
+            ids = torch.tensor(sorted(self._dirty), dtype=torch.long)
+            self._dirty.clear()
+            values = torch.stack([h.index_select(0, ids) for h in self._host])
+            ids_d, values_d = to_device(ids, self.device), to_device(values, self.device)
+            for t, v in zip(self.tensors, values_d, strict=True):
+                t.index_copy_(0, ids_d, v)
+            self.pages_sent += len(ids)
+        return self.tensors  # type: ignore[return-value]
+
+
 class DeviceTagIntegrityTracker(TagIntegrityTracker):
-    """`tags` on the device: `verify_batch(seqs)` runs one `verify_pages` launch and returns
-    the first bad page of each failed sequence, as the host tracker does. `last_valid`: [S]
-    int32 on `device`, 1 where the sequence passed (order of the last `seqs`)."""
+    """`tags` on the device. `launch(seqs)`: one `verify_pages` launch, nothing read back;
+    `verify_batch(seqs)`: the same, then the first bad page of each failed sequence, as the
+    host tracker returns them. `last_valid`: [S] int32 on `device`, 1 where the sequence
+    passed (order of the last `seqs`); `valid_rows` gives it in another order."""
 
     name = "tags"
+    defers = True  # the engine may `launch` and learn of failures from the sampled tokens
 
     def __init__(self, pool: PagePool, device: torch.device) -> None:
         super().__init__(pool)
         self.device = device
+        self.state = DevicePoolState(pool, device)
         self.last_valid: torch.Tensor | None = None
+        self._last_cause: torch.Tensor | None = None
+        self._row_of: dict[int, int] = {}
 
-    def _pool_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pool's tags, owner codes and refcounts on the device. On CPU: the zero-copy
-        views. Elsewhere: copied each step, until the pool keeps device mirrors of its own."""
-        views = (self._tags, self._owners, self._refcounts)
-        if self.device.type == "cpu":
-            return views
-        return tuple(t.to(self.device, non_blocking=True) for t in views)  # type: ignore[return-value]
-
-    def verify_batch(self, seqs: list[Sequence]) -> list[Violation]:
+    def launch(self, seqs: list[Sequence]) -> list[list[tuple[PageRef, PageRef]]]:
+        """The pass over `seqs`, its flags left on the device; returns each one's entries."""
         start = time.perf_counter()
         entries = [checked_entries(seq) for seq in seqs]
+        self._row_of = {id(seq): i for i, seq in enumerate(seqs)}
         width = max((len(e) for e in entries), default=0)
         if width == 0:
             self.last_valid = torch.ones(len(seqs), dtype=torch.int32, device=self.device)
+            self._last_cause = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
             self.counters.count(0, [], start)
-            return []
+            return entries
         # rows: actual page, recorded page, recorded tag, recorded owner; padded with entries
         # never read (num_entries bounds each row)
         rows: list[list[int]] = [[], [], [], []]
@@ -61,24 +115,50 @@ class DeviceTagIntegrityTracker(TagIntegrityTracker):
             fields = pairs_fields(pairs) + [(0, 0, 0, 0)] * (width - len(pairs))
             for row, values in zip(rows, zip(*fields, strict=True), strict=True):
                 row.extend(values)
-        table = torch.tensor(rows, dtype=torch.int64).view(4, len(seqs), width).to(self.device)
-        lens = torch.tensor([len(e) for e in entries], dtype=torch.int32, device=self.device)
-        valid, cause = launch.verify_pages(table[0], table[1], table[2], table[3], lens,
-                                           *self._pool_state())
-        self.last_valid = valid
-        causes = cause.tolist()  # the one copy back (the step's token copy, on the GPU path)
-        violations = [self._first_bad(seqs[s], entries[s], c)
-                      for s, c in enumerate(causes) if c]
-        self.counters.count(sum(len(e) for e in entries), violations, start)
+        table = to_device(torch.tensor(rows, dtype=torch.int64).view(4, len(seqs), width),
+                          self.device)
+        lens = to_device(torch.tensor([len(e) for e in entries], dtype=torch.int32),
+                         self.device)
+        self.last_valid, self._last_cause = launch.verify_pages(
+            table[0], table[1], table[2], table[3], lens, *self.state.flush())
+        self.counters.count(sum(len(e) for e in entries), [], start)
+        return entries
+
+    def verify_batch(self, seqs: list[Sequence]) -> list[Violation]:
+        entries = self.launch(seqs)
+        assert self._last_cause is not None
+        causes = self._last_cause.tolist()  # the one copy back
+        violations = [self._first_bad(seqs[s], entries[s]) for s, c in enumerate(causes) if c]
+        self.counters.mismatches.update(v.cause for v in violations)
         return violations
 
-    def _first_bad(self, seq: Sequence, pairs: list[tuple[PageRef, PageRef]],
-                   cause: int) -> Violation:
-        """The failed sequence's first bad entry, found again on the host (the rare path)."""
+    def valid_rows(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The last pass's flags for `seqs` (each one of its sequences), in `seqs`' order:
+        [len(seqs)] int32 on the device (a gather, no host read); None before any pass."""
+        if self.last_valid is None:
+            return None
+        rows = [self._row_of[id(seq)] for seq in seqs]
+        if rows == list(range(len(self._row_of))):
+            return self.last_valid
+        return self.last_valid.index_select(0, to_device(torch.tensor(rows), self.device))
+
+    def explain(self, seqs: list[Sequence]) -> list[Violation]:
+        """Sequences whose flag the last `launch` cleared (they sampled `INVALID_TOKEN`): each
+        one's first bad page, found again on the host, counted as a mismatch."""
+        violations = [self._first_bad(seq, checked_entries(seq)) for seq in seqs]
+        self.counters.mismatches.update(v.cause for v in violations)
+        return violations
+
+    def _first_bad(self, seq: Sequence, pairs: list[tuple[PageRef, PageRef]]) -> Violation:
+        """The failed sequence's first bad entry, decided on the host (the rare path)."""
+        if not pairs:
+            return Violation(seq, 0, -1, -1, MIRROR_MISMATCH)
         ids = torch.tensor(pairs_fields(pairs))
         per_entry = ref_verify_pages(ids[:, 0], ids[:, 1], ids[:, 2], ids[:, 3], self._tags,
                                      self._owners, self._refcounts)
         bad = per_entry.nonzero().flatten().tolist()
         i = bad[0] if bad else 0
         page_id, tag = int(ids[i, 0]), int(ids[i, 2])
-        return Violation(seq, page_id, tag, self.pool.tags[page_id], CAUSES[cause])
+        found = self.pool.tags[page_id] if 0 <= page_id < self.pool.num_pages else -1
+        cause = CAUSES[int(per_entry[i])] if bad else MIRROR_MISMATCH
+        return Violation(seq, page_id, tag, found, cause)

@@ -10,6 +10,7 @@ import torch
 
 from runtime.attention import AttentionBackend, make_backend
 from runtime.config import EngineConfig, ModelConfig
+from runtime.decode_graphs import DecodeGraphRunner, buckets_up_to
 from runtime.distributed import (
     TensorParallel,
     TensorParallelIntegrityTracker,
@@ -110,6 +111,12 @@ class EngineBuild:
         self.tracker = self.attention.integrity_tracker(config.integrity, self.pool)
         if self.tp is not None:
             self.tracker = TensorParallelIntegrityTracker(self.tracker, self.tp)
+        self.runner.valid_rows = getattr(self.tracker, "valid_rows", None)
+        if (config.decode_graphs != "off" and self.tp is None
+                and hasattr(self.attention, "static_decode_metadata")):
+            self.runner.graphs = DecodeGraphRunner(
+                self.decode_model, self.kv_cache, self.attention, self.device,
+                buckets_up_to(config.max_num_seqs), self.pool.pages_for_tokens(self.max_model_len))
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         sorted(self.eos_ids))

@@ -8,10 +8,12 @@ from collections.abc import Callable
 
 import torch
 
+from runtime.config import EngineConfig
 from runtime.errors import InvalidArgument
 from runtime.grammar import GrammarCompiler
 from runtime.heap import release_free_heap
 from runtime.kv.pages import PagePool
+from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
@@ -20,7 +22,9 @@ from runtime.sequence import Sequence
 class Drivers:
     """The engine's own step loops (a part of `LLMEngine`)."""
 
+    config: EngineConfig
     pool: PagePool
+    runner: ModelRunner
     grammars: GrammarCompiler
     requests: dict[str, Sequence]
     add_request: Callable[..., Sequence]
@@ -57,6 +61,9 @@ class Drivers:
         self.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0,
                                                      ignore_eos=True), tenant="__warm_up__")
         self._run_until_done(rid)
+        if self.runner.graphs is not None and self.config.decode_graphs == "auto":
+            # after a request was served eagerly (issue 31): every kernel is built and loaded
+            self.runner.graphs.capture()
         release_free_heap()  # the grammar tokenizer's and the step's transient buffers
 
     def _run_until_done(self, request_id: str) -> None:

@@ -16,14 +16,16 @@ from runtime.grammar import GrammarCompiler
 from runtime.integrity import Violation
 from runtime.model_runner import ModelRunner
 from runtime.outputs import EngineCoreOutput, OutputAccumulator, RequestOutput
-from runtime.sampler import Sampler
-from runtime.scheduler import Scheduler
+from runtime.sampler import INVALID_TOKEN, Sampler
+from runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from runtime.sequence import Sequence
 
 if TYPE_CHECKING:
     from runtime.engine.build import Tracker
 
 log = logging.getLogger("tessera.engine")
+
+Row = tuple[ScheduledSequence, int, "dict[int, float] | None"]  # a sampled row: token, logprobs
 
 
 class EngineStep:
@@ -53,7 +55,14 @@ class EngineStep:
         if batch.is_empty:
             return []
         failed: list[tuple[Sequence, EngineCoreOutput]] = []
-        violations = self.tracker.verify_batch([s.seq for s in batch.scheduled])
+        seqs = [s.seq for s in batch.scheduled]
+        # the device tag pass, its flags obeyed on the device and learnt from the sampled
+        # tokens, where every sequence samples now (a mid-prompt chunk would not tell us)
+        deferred = getattr(self.tracker, "defers", False) and all(
+            s.samples for s in batch.scheduled)
+        violations = [] if deferred else self.tracker.verify_batch(seqs)
+        if deferred:
+            self.tracker.launch(seqs)  # type: ignore[union-attr]
         if violations:
             failed = self._abort_violations(violations)
             bad = {id(v.seq) for v in violations}
@@ -63,17 +72,23 @@ class EngineStep:
         try:
             samplers, logits = self.runner.execute(batch)
             states = [s.seq.engine_state for s in samplers]
+            valid = (self.tracker.valid_rows([s.seq for s in samplers])  # type: ignore[union-attr]
+                     if deferred else None)
             sampled = self.sampler(
                 logits, [s.seq.params for s in samplers],
                 [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in samplers],
                 [st.generator for st in states],
-                self.grammars.fill_masks([st.grammar for st in states]))
+                self.grammars.fill_masks([st.grammar for st in states]), valid)
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step failed; failing its %d requests", len(batch.scheduled))
             err = TesseraError(f"internal error during step: {type(e).__name__}")
             return [o for s in batch.scheduled if (o := self._abort(s.seq.request_id, err))]
+        rows = list(zip(samplers, sampled.token_ids, sampled.logprobs, strict=True))
+        if deferred and any(token == INVALID_TOKEN for _, token, _ in rows):
+            rows, more = self._abort_flagged(batch, rows)
+            failed += more
         finished = []
-        for item, token, lp in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
+        for item, token, lp in rows:
             seq = item.seq
             seq.output_token_ids.append(token)
             if lp is not None:
@@ -88,7 +103,18 @@ class EngineStep:
         for seq in finished:
             self.requests.pop(seq.request_id, None)
         return failed + [(item.seq, self._core_output(item.seq, [token]))
-                         for item, token in zip(samplers, sampled.token_ids, strict=True)]
+                         for item, token, _ in rows]
+
+    def _abort_flagged(self, batch: SchedulerOutput, rows: list[Row]
+                       ) -> tuple[list[Row], list[tuple[Sequence, EngineCoreOutput]]]:
+        """The rows that sampled INVALID_TOKEN (the device tag pass failed them: they read
+        and wrote no KV) aborted as `_abort_violations` aborts, and taken out of `batch`;
+        returns the other rows and the aborted requests' outputs."""
+        flagged = [item.seq for item, token, _ in rows if token == INVALID_TOKEN]
+        outs = self._abort_violations(self.tracker.explain(flagged))  # type: ignore[union-attr]
+        bad = {id(seq) for seq in flagged}
+        batch.scheduled = [s for s in batch.scheduled if id(s.seq) not in bad]
+        return [r for r in rows if id(r[0].seq) not in bad], outs
 
     def abort_request(self, request_id: str,
                       error: TesseraError | None = None) -> RequestOutput | None:

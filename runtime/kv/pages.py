@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 FREE_OWNER = ""
@@ -47,6 +48,9 @@ class PagePool:
         # oldest freed goes first, keeping a just-freed (page, tag) out of circulation longest.
         self._free: deque[int] = deque()  # free pages written before, oldest freed first
         self._unused_from = 0  # pages [_unused_from, num_pages) were never handed out
+        # called with a page id whenever its tag, owner or refcount changes (a device mirror
+        # of these arrays, runtime/attention/triton_tags.py, follows them this way)
+        self.listeners: list[Callable[[int], None]] = []
 
     @property
     def num_free_pages(self) -> int:
@@ -81,6 +85,7 @@ class PagePool:
         self.owners[page_id] = owner
         self.owner_codes[page_id] = code = self.owner_code(owner)
         self.refcounts[page_id] = 1
+        self.touch(page_id)
         return PageRef(page_id, self.tags[page_id], code)
 
     def share(self, ref: PageRef) -> PageRef:
@@ -89,6 +94,7 @@ class PagePool:
         if self.refcounts[ref.page_id] <= 0 or self.tags[ref.page_id] != ref.tag:
             raise PageAccountingError(f"share() of a page not live at tag {ref.tag}: {ref}")
         self.refcounts[ref.page_id] += 1
+        self.touch(ref.page_id)
         return ref
 
     def release(self, ref: PageRef) -> bool:
@@ -102,12 +108,13 @@ class PagePool:
                 f"release() of page {page_id} at tag {ref.tag}, but it is at {self.tags[page_id]}"
             )
         self.refcounts[page_id] -= 1
-        if self.refcounts[page_id] == 0:
+        freed = self.refcounts[page_id] == 0
+        if freed:
             self.owners[page_id] = FREE_OWNER
             self.owner_codes[page_id] = 0
             self._free.append(page_id)
-            return True
-        return False
+        self.touch(page_id)
+        return freed
 
     def retag(self, ref: PageRef) -> PageRef:
         """A fresh generation for a page its one holder is about to publish (a KV import):
@@ -116,7 +123,14 @@ class PagePool:
         if self.refcounts[ref.page_id] != 1 or self.tags[ref.page_id] != ref.tag:
             raise PageAccountingError(f"retag() of a page not held once at tag {ref.tag}: {ref}")
         self.tags[ref.page_id] += 1
+        self.touch(ref.page_id)
         return PageRef(ref.page_id, self.tags[ref.page_id], ref.owner)
+
+    def touch(self, page_id: int) -> None:
+        """Tell the listeners that page `page_id`'s tag, owner or refcount changed (the pool's
+        own methods do; code that writes the arrays directly, a fault drill, must too)."""
+        for listener in self.listeners:
+            listener(page_id)
 
     def _check_id(self, page_id: int) -> None:
         if not 0 <= page_id < self.num_pages:

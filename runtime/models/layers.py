@@ -80,7 +80,10 @@ class RotaryEmbedding(nn.Module):
         step (every layer rotates at the same positions)."""
         step = self._step
         if step is None or step[0] is not positions or step[1].dtype != dtype:
-            cos_t, sin_t = self._table(int(positions.max()) + 1, positions.device)
+            # NOTE: off CPU the table covers max_position_embeddings (the engine's limit) and
+            # positions.max() is not read: a host sync, and no CUDA graph could capture it
+            length = int(positions.max()) + 1 if positions.device.type == "cpu" else 0
+            cos_t, sin_t = self._table(length, positions.device)
             step = (positions, cos_t[positions].unsqueeze(1).to(dtype),
                     sin_t[positions].unsqueeze(1).to(dtype))
             self._step = step

@@ -1,7 +1,8 @@
 """Every Triton kernel variant compiles for sm_90 (H100/H200) on this CPU-only machine: the
-interpreter accepts code the GPU compiler rejects (a plain float global, for one), so the
-compiler itself runs here too (tests/kernels/triton_compile_sm90.py, in a subprocess without
-TRITON_INTERPRET)."""
+interpreter accepts code the GPU compiler rejects (a plain float global; `.to()` on a scalar
+argument Triton specialised to the constexpr 1), so the compiler itself runs here too. Each
+family's script (tests/kernels/triton_compile_*sm90*.py) runs in a subprocess without
+TRITON_INTERPRET and prints one `ok` line per variant."""
 
 from __future__ import annotations
 
@@ -18,15 +19,30 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (the test extra installs it)")
 
-SCRIPT = Path(__file__).with_name("triton_compile_sm90.py")
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_kernel_variant_compiles_to_an_sm90_cubin(tmp_path):
+def _compile(script: str, cache: Path) -> str:
+    """Run tests/kernels/`script` for sm_90 (its own Triton cache); its stdout, once it exits
+    0 (else the test fails with its output's tail)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[2])
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=root)
+    env.update(TRITON_CACHE_DIR=str(cache), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("ok ") == 18
+    return done.stdout
+
+
+def test_every_paged_kv_kernel_variant_compiles_to_an_sm90_cubin(tmp_path):
+    assert _compile("triton_compile_sm90.py", tmp_path).count("ok ") == 18
+
+
+def test_every_matmul_variant_compiles_to_a_pipelined_sm90_cubin(tmp_path):
+    # W4A16 at each row bucket and offset kind, block-FP8 with both scale forms, the FP8
+    # quantizer, the split reduce: K loops software-pipelined, the FP8 dot on wgmma
+    assert _compile("triton_compile_gemm_sm90.py", tmp_path).count("ok ") == 23
+
+
+def test_every_moe_and_mla_kernel_variant_compiles_to_an_sm90_cubin(tmp_path):
+    assert _compile("triton_compile_sm90_moe_mla.py", tmp_path).count("ok ") == 13
