@@ -23,9 +23,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kernels.fp8_block import ref_fp8_block_linear
+from kernels.moe import ref_fused_moe_op
 from kernels.triton import launch, launch_gemm, launch_moe, triton_available
 from kernels.triton.int4_layout import Int4Tiles
-from kernels.w4a16 import w4a16_activations
+from kernels.w4a16 import ref_w4a16_linear, w4a16_activations
 
 _registered: dict[str, torch.library.Library] = {}  # dispatch key -> its library
 
@@ -164,7 +166,6 @@ def interpreted_weight_kernels() -> contextlib.AbstractContextManager[None]:
 def twin_weight_kernels() -> contextlib.AbstractContextManager[None]:
     """`interpreted_weight_kernels` with the ops' torch twins as the CPU kernels: the same
     layouts and ops, the reference arithmetic."""
-    from kernels.ops import twin_ops
-
-    twins = twin_ops()
-    return _cpu_weight_kernels({name: getattr(twins, name) for name in WEIGHT_KERNELS})
+    return _cpu_weight_kernels({"w4a16_linear": ref_w4a16_linear,
+                                "fp8_block_linear": ref_fp8_block_linear,
+                                "fused_moe": ref_fused_moe_op})
