@@ -13,7 +13,7 @@ import inspect
 import pytest
 import torch
 
-from tests.kernels.triton_pools import DEVICE  # sets TRITON_INTERPRET=1 (before triton) on CPU
+from tests.kernels.triton_pools import DEVICE, NATIVE  # sets TRITON_INTERPRET=1 on CPU
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
@@ -114,6 +114,7 @@ def test_fused_moe_adapter_matches_the_twin_with_an_idle_expert(kind):
     _rel_close(got.cpu(), twin_ops().fused_moe(x, *args))
 
 
+@pytest.mark.skipif(NATIVE, reason="the switch is the interpreter's (CPU) kernels")
 def test_the_interpreter_switch_makes_the_weight_adapters_the_cpu_kernels_for_a_while():
     cpu = torch.device("cpu")
     assert not has_device_kernel("w4a16_linear", cpu)

@@ -41,14 +41,18 @@ def _serve(path, switch) -> tuple[LLM, list[list[int]]]:
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
+def _counted(launches: Counter, name: str, fn):
+    def counted(*args, **kwargs):
+        launches[name] += 1
+        return fn(*args, **kwargs)
+    return counted
+
+
 def _count_launches(monkeypatch) -> Counter:
     launches: Counter = Counter()
     for module, name in ((launch_gemm, "w4a16_linear"), (launch_gemm, "fp8_block_linear"),
                          (launch_moe, "fused_moe")):
-        def counted(*args, _fn=getattr(module, name), _name=name, **kwargs):
-            launches[_name] += 1
-            return _fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, counted)
+        monkeypatch.setattr(module, name, _counted(launches, name, getattr(module, name)))
     return launches
 
 
