@@ -6,7 +6,9 @@ tokens), then the rows are scaled by their routing weights and scattered back on
 with one `index_add_`. This is vLLM's and SGLang's fused-MoE layout (sorted token ids plus
 per-expert offsets), so a GPU kernel over the same sorted rows computes the same sums.
 
-On CPU the torch path is the production path: `torch.nn.functional.grouped_mm` exists in
+The `fused_moe` op takes experts as stored (float, block-FP8 or INT4, `dequantize_expert`); its
+twin is the loop below, its CUDA kernel the Triton grouped matmul. On CPU the torch path is the
+production path: `torch.nn.functional.grouped_mm` exists in
 torch 2.13 but runs ~14x slower on CPU than one matmul per expert (measured 2026-11-30:
 297 ms vs 22 ms for 8 experts, 128 rows, 576 x 512), and needs 16-byte-aligned strides.
 Importing this module never needs a GPU or Triton.
@@ -14,10 +16,13 @@ Importing this module never needs a GPU or Triton.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from kernels.fp8 import decode_e4m3_bits
 
 
 class ExpertRows(NamedTuple):
@@ -50,6 +55,13 @@ def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """
     num_experts, hidden = w13.shape[0], x.shape[1]
     assert w13.shape[2] == hidden and w2.shape[:2] == (num_experts, hidden), (w13.shape, w2.shape)
+    return _grouped_moe(x, w13.__getitem__, w2.__getitem__, num_experts, topk_weights, topk_ids)
+
+
+def _grouped_moe(x: torch.Tensor, expert13: Callable[[int], torch.Tensor],
+                 expert2: Callable[[int], torch.Tensor], num_experts: int,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The per-expert loop over experts given as functions of their index (dense [N, K])."""
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0]
     rows = moe_align(topk_ids, num_experts)
     xs = x.index_select(0, rows.tokens)
@@ -57,15 +69,65 @@ def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     start = 0
     for expert, n in enumerate(rows.counts):
         if n:
-            gate, up = F.linear(xs[start : start + n], w13[expert]).chunk(2, dim=-1)
-            ys[start : start + n] = F.linear(F.silu(gate) * up, w2[expert])
+            gate, up = F.linear(xs[start : start + n], expert13(expert)).chunk(2, dim=-1)
+            ys[start : start + n] = F.linear(F.silu(gate) * up, expert2(expert))
             start += n
     ys.mul_(topk_weights.reshape(-1).index_select(0, rows.order).to(ys.dtype).unsqueeze(1))
     return torch.zeros_like(x).index_add_(0, rows.tokens, ys)
 
 
+EXPERT_KINDS = ("float", "fp8-block", "int4")
+FP8_EXPERT_BLOCK = 128  # block-FP8 experts: one scale per (row, 128 columns)
+
+
+def dequantize_expert(w: torch.Tensor, scale: torch.Tensor | None, zeros: torch.Tensor | None,
+                      kind: str, group_size: int, expert: int) -> torch.Tensor:
+    """One expert's projection [N, K] as float32 from the stacked stored form (`fused_moe`'s
+    kinds): "float" as is; "fp8-block" e4m3 [E, N, K] times scale fp32 [E, N, ceil(K/128)];
+    "int4" codes two a byte low nibble first [E, N, K/2], (q - zero) * scale per group of
+    `group_size` (scale [E, N, K/g], zeros uint8 like it or None: zero 8). ValueError for
+    another kind."""
+    if kind == "float":
+        return w[expert].float()
+    if kind not in EXPERT_KINDS:
+        raise ValueError(f"expert weight kind must be one of {EXPERT_KINDS}, got {kind!r}")
+    assert scale is not None
+    if kind == "fp8-block":
+        k = w.shape[2]
+        s = scale[expert].float().repeat_interleave(FP8_EXPERT_BLOCK, dim=1)[:, :k]
+        return decode_e4m3_bits(w[expert]) * s
+    packed = w[expert]
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).float()
+    s = scale[expert].float().repeat_interleave(group_size, dim=1)
+    z = 8.0 if zeros is None else zeros[expert].float().repeat_interleave(group_size, dim=1)
+    return (codes - z) * s
+
+
+def ref_fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
+                     w13_zeros: torch.Tensor | None, w2: torch.Tensor,
+                     w2_scale: torch.Tensor | None, w2_zeros: torch.Tensor | None,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, kind: str = "float",
+                     group_size: int = 0) -> torch.Tensor:
+    """Twin of the `fused_moe` op: `ref_fused_moe` over experts stored as `kind`
+    (`dequantize_expert`), each used expert dequantized in x's dtype, the others untouched."""
+    if kind == "float":
+        return ref_fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+    def expert13(e: int) -> torch.Tensor:
+        return dequantize_expert(w13, w13_scale, w13_zeros, kind, group_size, e).to(x.dtype)
+
+    def expert2(e: int) -> torch.Tensor:
+        return dequantize_expert(w2, w2_scale, w2_zeros, kind, group_size, e).to(x.dtype)
+    return _grouped_moe(x, expert13, expert2, w13.shape[0], topk_weights, topk_ids)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts' output [T, hidden]; see `ref_fused_moe` for shapes. Every device
-    runs the grouped torch path today (one matmul per expert with rows)."""
-    return ref_fused_moe(x, w13, w2, topk_weights, topk_ids)
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              w13_scale: torch.Tensor | None = None, w13_zeros: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
+              kind: str = "float", group_size: int = 0) -> torch.Tensor:
+    """The routed experts' output [T, hidden] through the `fused_moe` op (shapes:
+    `ref_fused_moe`; stored kinds: `dequantize_expert`). CPU runs the twin (one matmul per
+    expert with rows); CUDA the Triton grouped kernel (`kernels/triton/launch_moe.py`)."""
+    return torch.ops.tessera.fused_moe(x, w13, w13_scale, w13_zeros, w2, w2_scale, w2_zeros,
+                                       topk_weights, topk_ids, kind, group_size)

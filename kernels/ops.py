@@ -33,8 +33,10 @@ import torch
 from kernels.block_linear import ref_block_linear
 from kernels.cpu_ops import native, on_load
 from kernels.fp8 import cpu_fp8_dequantize, ref_fp8_dequantize
+from kernels.fp8_block import ref_fp8_block_linear
 from kernels.int4pack import cpu_int4pack_mm, ref_int4pack_mm
 from kernels.kv_fp8 import ref_gather_e4m3_rows
+from kernels.moe import ref_fused_moe_op
 from kernels.norm import ref_add_rms_norm
 from kernels.paged_attention import (
     cpu_paged_prefill_attention,
@@ -47,6 +49,7 @@ from kernels.qgemv_i8 import ref_q4_linear_i8, ref_q8_linear_i8
 from kernels.store_kv import ref_store_rows
 from kernels.triton.cuda_ops import register_cuda_kernels
 from kernels.verify_pages import ref_verify_pages
+from kernels.w4a16 import ref_w4a16_linear
 
 NAMESPACE = "tessera"
 
@@ -143,6 +146,18 @@ OPS: tuple[OpDecl, ...] = (
     OpDecl("int4pack_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) "
            "-> Tensor", ref_int4pack_mm,
            lambda x, packed, g, sz: x.new_empty(x.shape[0], packed.shape[0])),
+    # INT4 in the GPU tile layout (kernels/w4a16.py): x [M, K] -> [M, N] in x's dtype
+    OpDecl("w4a16_linear(Tensor x, Tensor qt, Tensor d, Tensor? offset, int offset_kind, "
+           "int group_size) -> Tensor", ref_w4a16_linear,
+           lambda x, qt, d, offset, kind, g: x.new_empty(x.shape[0], qt.shape[1])),
+    # block-FP8 W8A8 (kernels/fp8_block.py): x [M, K], e4m3 bytes [N, K] -> [M, N] in x's dtype
+    OpDecl("fp8_block_linear(Tensor x, Tensor weight, Tensor weight_scale) -> Tensor",
+           ref_fp8_block_linear, lambda x, w, s: x.new_empty(x.shape[0], w.shape[0])),
+    # routed SwiGLU experts stored as `kind` (kernels/moe.py): x [T, hidden] -> [T, hidden]
+    OpDecl("fused_moe(Tensor x, Tensor w13, Tensor? w13_scale, Tensor? w13_zeros, Tensor w2, "
+           "Tensor? w2_scale, Tensor? w2_zeros, Tensor topk_weights, Tensor topk_ids, "
+           "str kind=\"float\", int group_size=0) -> Tensor", ref_fused_moe_op,
+           lambda x, *rest: torch.empty_like(x)),
     # page integrity: a cause code per recorded (page, tag, owner) (kernels/verify_pages.py)
     OpDecl("verify_pages(Tensor page_ids, Tensor expected_page_ids, Tensor expected_tags, "
            "Tensor expected_owners, Tensor pool_tags, Tensor pool_owners, "

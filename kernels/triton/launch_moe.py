@@ -27,6 +27,12 @@ def _jit() -> Any:
     return fused_moe
 
 
+def _quantizer() -> Any:
+    from kernels.triton.launch_gemm import quant_fp8_groups
+
+    return quant_fp8_groups
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -165,19 +171,29 @@ def moe_config(num_rows: int, num_experts: int, kind: str = "float") -> MoeConfi
 
 def grouped_matmul(out: torch.Tensor, a: torch.Tensor, w: ExpertWeights, align: MoeAlignment,
                    config: MoeConfig, a_row_div: int, swiglu: bool = False,
-                   topk_weights: torch.Tensor | None = None) -> None:
+                   topk_weights: torch.Tensor | None = None,
+                   a_scale: torch.Tensor | None = None) -> None:
     """One launch over every expert: out[id] = a[id // a_row_div] @ w[expert(id)].T for each
     sorted row id (with swiglu: silu(gate) * up, gate rows [0, N/2) and up rows [N/2, N) of
     w; with topk_weights [T, top_k]: times the row's router weight). out: [num_valid, N or
-    N/2] with contiguous rows; rows of other ids are not written. AssertionError on shapes."""
+    N/2] with contiguous rows; rows of other ids are not written. With `a_scale` (fp32
+    [rows of a, ceil(K / 128)]), a is e4m3 bytes (uint8, `launch_gemm.quant_fp8_groups`) and
+    w block-FP8: W8A8. AssertionError on shapes."""
     jit = _jit()
-    assert a.dim() == 2 and a.stride(-1) == 1 and a.dtype in _FLOATS, (a.shape, a.dtype)
+    w8a8 = a_scale is not None
+    assert a.dim() == 2 and a.stride(-1) == 1, (a.shape, a.stride())
+    assert a.dtype == torch.uint8 if w8a8 else a.dtype in _FLOATS, (a.dtype, w8a8)
     assert a.shape[1] == w.in_features, (a.shape, w.weight.shape, w.kind)
     n = w.out_features // 2 if swiglu else w.out_features
     assert not swiglu or w.out_features % 2 == 0
     assert out.shape == (align.num_valid, n) and out.stride(-1) == 1, (out.shape, n)
     fmt = WEIGHT_KINDS[w.kind]
-    assert fmt != 1 or FP8_BLOCK_K % config.block_k == 0, "fp8 K steps must divide 128"
+    if w8a8:
+        assert fmt == 1, "W8A8 takes block-FP8 experts"
+        assert a_scale.dtype == torch.float32 and a_scale.shape == (
+            a.shape[0], -(-a.shape[1] // FP8_BLOCK_K)), a_scale.shape
+        fmt = 3
+    assert fmt not in (1, 3) or FP8_BLOCK_K % config.block_k == 0, "fp8 K steps must divide 128"
     assert config.block_m == align.block_m, (config, align.block_m)
     weight = w.weight.view(torch.uint8) if w.weight.dtype == torch.float8_e4m3fn else w.weight
     scale = w.scale if w.scale is not None else weight
@@ -189,9 +205,10 @@ def grouped_matmul(out: torch.Tensor, a: torch.Tensor, w: ExpertWeights, align: 
     grid = (expert_ids.numel() * -(-n // config.block_n),)
     quant = fmt != 0
     jit.fused_moe_kernel[grid](
-        out, a, weight, scale, zeros, routed, sorted_ids, expert_ids, num_post_pad,
-        n, w.in_features, align.num_valid, a_row_div, n,
-        a.stride(0), weight.stride(0), weight.stride(1), weight.stride(2),
+        out, a, a_scale if w8a8 else a, weight, scale, zeros, routed, sorted_ids, expert_ids,
+        num_post_pad, n, w.in_features, align.num_valid, a_row_div, n,
+        a.stride(0), a_scale.stride(0) if w8a8 else 0,
+        weight.stride(0), weight.stride(1), weight.stride(2),
         scale.stride(0) if quant else 0, scale.stride(1) if quant else 0,
         scale.stride(2) if quant else 0, out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -203,13 +220,17 @@ def grouped_matmul(out: torch.Tensor, a: torch.Tensor, w: ExpertWeights, align: 
 
 def fused_moe(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              config: MoeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              config: MoeConfig | None = None, out: torch.Tensor | None = None,
+              fp8_activations: bool = False) -> torch.Tensor:
     """`ref_fused_moe` in two grouped launches: x [T, hidden] bf16/fp16/fp32; w13 [E,
     2 * inter, hidden] (gate rows, then up rows), w2 [E, hidden, inter], each any
     `ExpertWeights` kind; topk_weights, topk_ids [T, top_k]. Returns [T, hidden] in x's
     dtype (into `out` when given): sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]),
     the SwiGLU activation and each row's down projection stored in x's dtype between the
-    launches (vLLM's and SGLang's rounding) and the top-k sum in fp32."""
+    launches (vLLM's and SGLang's rounding) and the top-k sum in fp32. `fp8_activations`
+    (block-FP8 experts only): W8A8, x and the SwiGLU activation each quantized to e4m3 per
+    (row, 128 columns) by `launch_gemm.quant_fp8_groups` before their launch (SGLang's
+    prefill path)."""
     tokens, hidden = x.shape
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == tokens
     assert w13.num_experts == w2.num_experts and w13.in_features == hidden
@@ -226,11 +247,15 @@ def fused_moe(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
     config = config or moe_config(rows, w13.num_experts, w13.kind)
     align = moe_align_block_size(topk_ids, w13.num_experts, config.block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    assert not fp8_activations or w13.kind == w2.kind == "fp8-block", (w13.kind, w2.kind)
+    quant = _quantizer() if fp8_activations else None
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    grouped_matmul(act, x, w13, align, config, top_k, swiglu=True)
+    a, a_scale = quant(x) if quant else (x, None)
+    grouped_matmul(act, a, w13, align, config, top_k, swiglu=True, a_scale=a_scale)
     down = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     down_config = config if w2.kind == w13.kind else config._replace(
         block_k=moe_config(rows, w2.num_experts, w2.kind).block_k)
-    grouped_matmul(down, act, w2, align, down_config, 1,
-                   topk_weights=topk_weights.contiguous())
+    a, a_scale = quant(act) if quant else (act, None)
+    grouped_matmul(down, a, w2, align, down_config, 1,
+                   topk_weights=topk_weights.contiguous(), a_scale=a_scale)
     return out.copy_(down.view(tokens, top_k, hidden).sum(1, dtype=torch.float32))

@@ -1,8 +1,9 @@
 """The GPU check's MoE and MLA measurements (run by ops/bench/gpu_check.sh after gpu_check.py):
-the Triton fused MoE (bf16, block-FP8 and INT4 g32 experts) against the per-expert torch loop
-at Qwen3-30B-A3B's expert shapes (128 experts, top-8, hidden 2048, inter 768), and MLA decode
-over latent pages at DeepSeek-V3's 512 + 64 with 16 heads (128 heads at TP 8), with its share
-of the measured copy bandwidth. CUDA events, median, L2 flushed (gpu_check.Timer).
+the Triton fused MoE (bf16, block-FP8 W8A16 and W8A8, and INT4 g32 experts) against the
+per-expert torch loop at Qwen3-30B-A3B's expert shapes (128 experts, top-8, hidden 2048,
+inter 768), and MLA decode over latent pages at DeepSeek-V3's 512 + 64 with 16 heads (128
+heads at TP 8), with its share of the measured copy bandwidth. CUDA events, median, L2
+flushed (gpu_check.Timer).
 
 `--tiny` runs the same code paths on tiny shapes (in Triton's interpreter without a GPU).
 """
@@ -58,9 +59,11 @@ def moe_table(timer: Timer, sizes: dict, bw: float) -> None:
         w13, w2 = weights["bf16"]
         loop = timer(partial(ref_fused_moe, x, w13.weight, w2.weight, topk_w, ids))
         touched = int(ids.unique().numel())
-        for kind, (w13, w2) in weights.items():
-            us = timer(partial(fused_moe, x, w13, w2, topk_w, ids))
-            moved = touched * 3 * hidden * inter * per_expert[kind]
+        runs = [(kind, w13, w2, False) for kind, (w13, w2) in weights.items()]
+        runs.append(("fp8-block W8A8", *weights["fp8-block"], True))  # the prefill form
+        for kind, w13, w2, w8a8 in runs:
+            us = timer(partial(fused_moe, x, w13, w2, topk_w, ids, fp8_activations=w8a8))
+            moved = touched * 3 * hidden * inter * per_expert[kind.split()[0]]
             print(f"| {kind} | {tokens} | {us:.1f} | {loop:.1f} | {loop / us:.2f}x | "
                   f"{moved / us / 1e3:.0f} | {moved / (us * 1e-6) / bw:.0%} |")
 

@@ -33,6 +33,7 @@ from runtime.models import model_class
 from runtime.models.meta_init import meta_without_init
 from runtime.platform import Platform, platform_for, resolve_device
 from runtime.progress import progress
+from runtime.quant.prepare import prepare_weights
 from runtime.sampler import Sampler
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.serving_formats import ServingFormats
@@ -233,7 +234,9 @@ def _check_tensor_parallel(checkpoint: Checkpoint, formats: ServingFormats, size
 
 
 def _lay_out(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with its float projections stored as the CPU matmul reads them fastest (after
-    any conversion, which reads the weights as loaded)."""
+    """`model` with its float projections stored as the CPU matmul reads them fastest and its
+    quantized ones as its device's kernels read them (`prepare_weights`: INT4 repacked to the
+    GPU tiles once, here), after any conversion, which reads the weights as loaded."""
     use_column_major_weights(model)
+    prepare_weights(model)
     return model

@@ -1,7 +1,9 @@
-"""The one place a model becomes a serving weight format: its linear projections are replaced by
-packed FP8/INT4 modules, everything else (embeddings, norms, rotary tables, lm_head) is shared
-with the source model, so a BF16 prefill model and an INT4 decode model can be resident at once
-and the second costs only its own linear layers."""
+"""The one place a model becomes a serving weight format: its linear projections (and a
+mixture-of-experts model's routed experts, `runtime.quant.experts`) are replaced by packed
+FP8/INT4 modules, everything else (embeddings, norms, rotary tables, routers, lm_head) is
+shared with the source model, so a BF16 prefill model and an INT4 decode model can be resident
+at once and the second costs only its own linear layers and experts. (DeepSeek-V3's MLA
+projections other than o_proj stay in the model dtype.)"""
 
 from __future__ import annotations
 
@@ -14,11 +16,16 @@ from torch import nn
 from runtime.errors import InvalidArgument
 from runtime.formats import TensorBytes, WeightFormat
 from runtime.models.layers import RotaryEmbedding
+from runtime.models.moe import FusedExperts
 from runtime.progress import progress
+from runtime.quant.experts import QuantizedExperts
 from runtime.quant.fp8 import quantize_fp8_blockwise, quantize_fp8_per_channel
 from runtime.quant.linear import Fp8Linear, Int4Linear, quantize_int4_packed
 
-CONVERTIBLE_ARCHITECTURES = ("LlamaForCausalLM",)
+CONVERTIBLE_ARCHITECTURES = ("LlamaForCausalLM",)  # offline, to a checkpoint (tessera convert)
+# in memory at load, per phase (`convert_model`)
+SERVING_ARCHITECTURES = (*CONVERTIBLE_ARCHITECTURES, "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+                         "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 # Projections that are quantized; lm_head stays in the model dtype (as vLLM's AWQ/GPTQ do).
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # The same layers under their checkpoint (unfused Hugging Face) names.
@@ -28,10 +35,11 @@ FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 LinearLike = nn.Linear | Fp8Linear | Int4Linear
 
 
-def check_architecture(architecture: str) -> None:
-    if architecture not in CONVERTIBLE_ARCHITECTURES:
+def check_architecture(architecture: str,
+                       supported: tuple[str, ...] = CONVERTIBLE_ARCHITECTURES) -> None:
+    if architecture not in supported:
         raise InvalidArgument(f"cannot convert architecture {architecture!r} to a weight "
-                              f"format; supported: {', '.join(CONVERTIBLE_ARCHITECTURES)}",
+                              f"format; supported: {', '.join(supported)}",
                               field="architectures")
 
 
@@ -101,22 +109,31 @@ def convert_model(model: nn.Module, fmt: WeightFormat, partial_groups: bool = Tr
     gets a shorter last group (as `WeightFormat.matrix_bytes` counts it); without, it is refused.
     """
     layers = dict(linear_layers(model))
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedExperts)}
     if fmt.name in FLOAT_DTYPES and all(
             isinstance(m, nn.Linear) and m.weight.dtype == FLOAT_DTYPES[fmt.name]
-            for m in layers.values()):
+            for m in layers.values()) and all(
+            m.w13.dtype == FLOAT_DTYPES[fmt.name] for m in experts.values()):
         return model  # nothing to convert, whatever the architecture
-    check_architecture(getattr(getattr(model, "config", None), "architecture", "?"))
+    check_architecture(getattr(getattr(model, "config", None), "architecture", "?"),
+                       SERVING_ARCHITECTURES)
+    if fmt.name in FLOAT_DTYPES:  # NOTE: experts stay as loaded (shared): the engine
+        experts = {}  # serves float weights in the compute dtype only (ServingFormats)
     for name, module in layers.items():
         if not isinstance(module, nn.Linear):
             raise InvalidArgument(f"{name} is already {type(module).__name__}: convert the "
                                   f"unquantized model", tensor=f"{name}.weight")
         check_group_fits(f"{name}.weight", module.in_features, fmt, partial_groups)
-    clone = _clone_sharing_tensors(model, skip=layers.values())
+    clone = _clone_sharing_tensors(model, skip=[*layers.values(), *experts.values()])
     for name, module in progress(layers.items(), f"quantize to {fmt.label}", unit="layers"):
         parent_name, _, child = name.rpartition(".")
         bias = None if module.bias is None else module.bias
         setattr(clone.get_submodule(parent_name), child,
                 quantize_linear(module.weight, bias, fmt, f"{name}.weight", partial_groups))
+    for name, module in experts.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(clone.get_submodule(parent_name), child,
+                QuantizedExperts.from_float(module.w13, module.w2, fmt, name))
     return clone
 
 

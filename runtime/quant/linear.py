@@ -32,6 +32,14 @@ them, any group size with a short last group read with its own scale; faster tha
 (ops/bench/RESULTS.md#weight-kernels). Past 16 rows the same op dequantizes tiles of the weight
 into a cache-resident buffer and multiplies them by BLAS. Which layout a layer gets is asked of
 the op library (`kernels.ops.has_device_kernel`), never of the device's type.
+
+Where the device has the W4A16 kernel (`w4a16_linear`: CUDA with triton installed), INT4 is
+held as the GPU tiles instead (`layout="int4_tiles"`, `kernels/triton/int4_layout.py`: codes
+K-major, scales [groups, out]); block-FP8 layers with 128-column blocks run `fp8_block_linear`
+(x quantized per 128 columns, W8A8, as SGLang serves DeepSeek-V3) where the device has it, and
+dequantize-then-matmul (W8A16) elsewhere. A layer moved to another device after it was built
+(a quantized checkpoint loads on the CPU) takes that device's layout in `prepare_for_device`,
+once, at load (`runtime.quant.prepare.prepare_weights`).
 """
 
 from __future__ import annotations
@@ -48,6 +56,13 @@ from kernels.int4pack import (
 )
 from kernels.ops import has_device_kernel
 from kernels.qgemv import BLOCK, pack_q4_blocks, unpack_q4_blocks
+from kernels.triton.gemm_ref import FP8_GROUP
+from kernels.triton.int4_layout import (
+    GROUP_SIZES,
+    OFFSET_SYMMETRIC,
+    OFFSET_ZEROS,
+    repack_int4_rows,
+)
 from runtime.errors import InvalidArgument
 from runtime.quant.blocks import BlockPlanes
 from runtime.quant.fp8 import (
@@ -77,6 +92,12 @@ class Fp8Linear(nn.Module):
             cols = torch.arange(self.in_features, device=weight.device) // block_cols
         self.register_buffer("block_of_col", cols, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.prepare_for_device()
+
+    def prepare_for_device(self) -> None:
+        """Whether forward runs the block-FP8 kernel (`fp8_block_linear`) on this device."""
+        self.block_kernel = (self.block_cols == FP8_GROUP
+                             and has_device_kernel("fp8_block_linear", self.weight.device))
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -97,7 +118,12 @@ class Fp8Linear(nn.Module):
                                                 self.block_of_col).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize(x.dtype), self.bias)
+        if not self.block_kernel:
+            return F.linear(x, self.dequantize(x.dtype), self.bias)
+        y = torch.ops.tessera.fp8_block_linear(x.reshape(-1, self.in_features),
+                                               self.weight.view(torch.uint8), self.weight_scale)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         blocks = "" if self.block_cols is None else f", block_cols={self.block_cols}"
@@ -114,6 +140,8 @@ class Int4Linear(nn.Module):
     the `int4pack_mm` op),
     `weight_scale` bf16 [out, ceil(in/g)] (the last group may be shorter), and when asymmetric
     `weight_zero_point` uint8 [ceil(out*groups/2)], the row-major zeros packed two a byte.
+    In the "int4_tiles" layout (the `w4a16_linear` op's, where the device has it) the three
+    are `Int4Tiles`' `qt` [in/2, out], `d` [groups, out] and zero points uint8 [groups, out].
     """
 
     kernel_max_rows = 128  # past this the dequantize-then-matmul path wins (table above)
@@ -125,19 +153,39 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = weight_packed.shape[0], in_features
         self.group_size, self.symmetric = group_size, weight_zero_point is None
         self.num_groups = weight_scale.shape[1]
-        self.layout = layout or _default_layout(self.out_features, in_features,
-                                                weight_packed.device)
-        if self.layout not in INT4_LAYOUTS:
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        layout = layout or _default_layout(self.out_features, in_features, group_size,
+                                           weight_packed.device)
+        self._store(weight_packed, weight_scale, weight_zero_point, layout)
+
+    def _store(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+               weight_zero_point: torch.Tensor | None, layout: str) -> None:
+        """Hold the checkpoint tensors (row layout) in `layout`."""
+        if layout not in INT4_LAYOUTS:
             raise InvalidArgument(f"int4 layout must be one of {INT4_LAYOUTS}, got {layout!r}",
                                   field="layout")
-        if self.layout == "q4_blocks":
-            weight_packed = pack_q4_blocks(_unpack_rows(weight_packed)[:, :in_features])
-        elif self.layout == "cpu_int4pack":
+        self.layout = layout
+        if layout == "q4_blocks":
+            weight_packed = pack_q4_blocks(_unpack_rows(weight_packed)[:, :self.in_features])
+        elif layout == "cpu_int4pack":
             weight_packed = pack_int4pack(_unpack_rows(weight_packed))
+        elif layout == "int4_tiles":
+            tiles = repack_int4_rows(weight_packed, weight_scale, weight_zero_point,
+                                     self.in_features, self.group_size)
+            weight_packed, weight_scale, weight_zero_point = tiles.qt, tiles.d, tiles.offset
         self.register_buffer("weight_packed", weight_packed)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_zero_point", weight_zero_point)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def prepare_for_device(self) -> None:
+        """Re-lay the weights out for the device they are on now, if it serves another layout
+        best (once, at load: a checkpoint's layers are built on the CPU and moved)."""
+        layout = _default_layout(self.out_features, self.in_features, self.group_size,
+                                 self.weight_packed.device)
+        if layout != self.layout:
+            t = self.packed_tensors()
+            self._store(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
+                        layout)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -153,20 +201,36 @@ class Int4Linear(nn.Module):
             return unpack_int4pack(self.weight_packed)
         if self.layout == "q4_blocks":
             return unpack_q4_blocks(self.weight_packed)
+        if self.layout == "int4_tiles":
+            return unpack_q4_blocks(self.weight_packed.t())
         return _unpack_rows(self.weight_packed)[:, : self.in_features]
 
     def zeros(self) -> torch.Tensor | None:
+        """uint8 [out, groups] zero points, or None when symmetric."""
         if self.weight_zero_point is None:
             return None
+        if self.layout == "int4_tiles":
+            return self.weight_zero_point.t()
         n = self.out_features * self.num_groups
         return _unpack_rows(self.weight_zero_point)[:n].view(self.out_features, self.num_groups)
 
+    def row_scales(self) -> torch.Tensor:
+        """bf16 [out, groups] group scales, whatever the layout."""
+        return self.weight_scale.t() if self.layout == "int4_tiles" else self.weight_scale
+
     def packed_tensors(self) -> dict[str, torch.Tensor]:
         """The checkpoint form (row layout), bit-identical to `quantize_int4_packed`."""
+        codes = self.codes()
+        if self.in_features % 2:
+            codes = F.pad(codes, (0, 1))
         out = {"weight_packed": self.weight_packed if self.layout == "rows"
-               else _pack_rows(self.codes()), "weight_scale": self.weight_scale}
+               else _pack_rows(codes), "weight_scale": self.row_scales().contiguous()}
         if self.weight_zero_point is not None:
-            out["weight_zero_point"] = self.weight_zero_point
+            zeros = self.weight_zero_point
+            if self.layout == "int4_tiles":
+                flat = self.weight_zero_point.t().flatten()
+                zeros = _pack_rows(F.pad(flat, (0, flat.numel() % 2)))
+            out["weight_zero_point"] = zeros
         return out
 
     def planes(self) -> BlockPlanes:
@@ -180,7 +244,7 @@ class Int4Linear(nn.Module):
             return self.planes().to_dense(dtype)
         g, k = self.group_size, self.in_features
         codes = self.codes().to(torch.float32)
-        scale = self.weight_scale.to(torch.float32).repeat_interleave(g, dim=1)[:, :k]
+        scale = self.row_scales().to(torch.float32).repeat_interleave(g, dim=1)[:, :k]
         zeros = self.zeros()
         offset = 8.0 if zeros is None else zeros.to(torch.float32).repeat_interleave(g, 1)[:, :k]
         return ((codes - offset) * scale).to(dtype)
@@ -188,6 +252,13 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "q4_blocks":
             return self.planes().linear(x, self.bias)
+        if self.layout == "int4_tiles":
+            kind = OFFSET_SYMMETRIC if self.weight_zero_point is None else OFFSET_ZEROS
+            y = torch.ops.tessera.w4a16_linear(x.reshape(-1, self.in_features),
+                                               self.weight_packed, self.weight_scale,
+                                               self.weight_zero_point, kind, self.group_size)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         rows = x.numel() // self.in_features
         if self.layout != "cpu_int4pack" or rows > self.kernel_max_rows:
             return F.linear(x, self.dequantize(x.dtype), self.bias)
@@ -273,13 +344,18 @@ def _unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
-INT4_LAYOUTS = ("q4_blocks", "cpu_int4pack", "rows")
+INT4_LAYOUTS = ("int4_tiles", "q4_blocks", "cpu_int4pack", "rows")
 
 
-def _default_layout(out_features: int, in_features: int, device: torch.device) -> str:
-    """The q4 block kernel where the device has one (in % 32 == 0; on CPU faster than torch's
-    int4pack at every row count, ops/bench/RESULTS.md#weight-kernels), else torch's int4pack
-    kernel where the device has it and this build's layout is known, else plain rows."""
+def _default_layout(out_features: int, in_features: int, group_size: int,
+                    device: torch.device) -> str:
+    """The W4A16 tiles where the device has that kernel (in % 32 == 0, groups of 32 / 64 /
+    128); else the q4 block kernel where the device has one (in % 32 == 0; on CPU faster than
+    torch's int4pack at every row count, ops/bench/RESULTS.md#weight-kernels), else torch's
+    int4pack kernel where the device has it and this build's layout is known, else rows."""
+    if (in_features % BLOCK == 0 and group_size in GROUP_SIZES
+            and has_device_kernel("w4a16_linear", device)):
+        return "int4_tiles"
     if in_features % BLOCK == 0 and has_device_kernel("block_linear_out", device):
         return "q4_blocks"
     if (out_features % KERNEL_BLOCK_N == 0 and in_features % 32 == 0

@@ -16,6 +16,7 @@ from kernels.int4pack import pack_int4pack
 from kernels.ops import OPS, twin_ops
 from kernels.qgemv import pack_q4_blocks
 from kernels.store_kv import ref_store_kv
+from kernels.triton.int4_layout import OFFSET_ZEROS
 
 H, KVH, D, PAGE, PAGES = 4, 2, 16, 4, 6
 N, K = 64, 64  # a block linear's out and in features
@@ -56,6 +57,26 @@ def _x(rows: int = 3) -> torch.Tensor:
     return torch.randn(rows, K, generator=_gen())
 
 
+def _int4_tiles() -> tuple[object, ...]:
+    """INT4 tiles (kernels/triton/int4_layout.py) with zero points, groups of 32."""
+    g = _gen()
+    qt = torch.randint(0, 256, (K // 2, N), generator=g, dtype=torch.uint8)
+    d = (torch.rand(K // 32, N, generator=g) / 8).bfloat16()
+    zeros = torch.randint(0, 16, (K // 32, N), generator=g, dtype=torch.uint8)
+    return qt, d, zeros, OFFSET_ZEROS, 32
+
+
+def _moe_args() -> tuple[object, ...]:
+    """4 int4-g32 experts (hidden K, inter 32), 5 tokens routed to 2 each."""
+    g, e, inter = _gen(), 4, 32
+    w13 = torch.randint(0, 256, (e, 2 * inter, K // 2), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (e, K, inter // 2), generator=g, dtype=torch.uint8)
+    s13, s2 = torch.rand(e, 2 * inter, K // 32, generator=g) / 8, torch.rand(e, K, 1) / 8
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 1], [1, 0]])
+    return (_x(5), w13, s13.bfloat16(), None, w2, s2.bfloat16(), None,
+            torch.rand(5, 2, generator=g), ids, "int4", 32)
+
+
 def _sample_args() -> dict[str, Callable[[], tuple[object, ...]]]:
     """Small, valid arguments for every declared op (fresh tensors on each call)."""
     table = torch.tensor([[0, 1, 2], [3, 0, 0]])
@@ -88,6 +109,10 @@ def _sample_args() -> dict[str, Callable[[], tuple[object, ...]]]:
         "int4pack_mm": lambda: (_x().bfloat16(), pack_int4pack(q4_codes()), 32,
                                 torch.rand(K // 32, N, 2).bfloat16()),
         "bf16_linear_out": lambda: (_x(), torch.randn(N, K).bfloat16(), torch.empty(3, N)),
+        "w4a16_linear": lambda: (_x().bfloat16(), *_int4_tiles()),
+        "fp8_block_linear": lambda: (_x(), torch.randn(N, K).to(torch.float8_e4m3fn)
+                                     .view(torch.uint8), torch.rand(N, 1) + 0.5),
+        "fused_moe": lambda: _moe_args(),
         "verify_pages": lambda: (torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4]),
                                  torch.tensor([5, 6, 7]), torch.tensor([0, 0, 1]),
                                  torch.arange(8), torch.zeros(8, dtype=torch.long),

@@ -1,6 +1,7 @@
 """The Triton fused MoE (kernels/triton/launch_moe.py) in Triton's interpreter against the
 per-expert loop (`kernels.moe.ref_fused_moe`): the device sort-and-pad, bf16 / fp32 experts,
-block-FP8 and INT4 experts against the loop over their dequantized weights, token counts from
+block-FP8 (W8A16 and W8A8) and INT4 experts against the loop over their dequantized weights
+(W8A8: and quantized activations), token counts from
 1 up (both tile configs), experts that receive no token, top-k ties and a token routed twice to
 one expert, outputs poisoned with NaN before each launch.
 
@@ -19,7 +20,8 @@ from tests.kernels.triton_pools import DEVICE  # sets TRITON_INTERPRET=1 (before
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from kernels.moe import ref_fused_moe
+from kernels.moe import moe_align, ref_fused_moe
+from kernels.triton.gemm_ref import ref_dequant_fp8_blocks, ref_quant_fp8_groups
 from kernels.triton.launch_moe import (
     ExpertWeights,
     MoeConfig,
@@ -252,3 +254,44 @@ def test_expert_weights_refuse_layouts_that_do_not_fit_their_kind():
         ExpertWeights(w, "nf4")
     with pytest.raises(ValueError, match="without scales"):
         ExpertWeights(w.float(), "float", torch.ones(2, 8, 1))
+
+
+def _fp8_round(a: torch.Tensor) -> torch.Tensor:
+    """a through e4m3 per (row, 128 columns) and back: the activation quantizer's twin."""
+    q, s = ref_quant_fp8_groups(a)
+    return ref_dequant_fp8_blocks(q, s, 1)
+
+
+def _w8a8_loop(x: torch.Tensor, d13: torch.Tensor, d2: torch.Tensor, weights: torch.Tensor,
+               ids: torch.Tensor) -> torch.Tensor:
+    """The per-expert loop with each projection's input quantized as W8A8 quantizes it."""
+    rows = moe_align(ids, d13.shape[0])
+    xs = _fp8_round(x).index_select(0, rows.tokens)
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(rows.counts):
+        if n:
+            gate, up = (xs[start : start + n] @ d13[e].t()).chunk(2, dim=-1)
+            ys[start : start + n] = _fp8_round(torch.nn.functional.silu(gate) * up) @ d2[e].t()
+            start += n
+    ys *= weights.reshape(-1).index_select(0, rows.order)[:, None]
+    return torch.zeros_like(x).index_add_(0, rows.tokens, ys)
+
+
+@pytest.mark.parametrize("tokens", [1, 12])
+def test_w8a8_block_fp8_experts_match_the_loop_over_quantized_activations(tokens):
+    """fp8_activations: x and the SwiGLU activation each quantized per (row, 128 columns) before
+    their launch; against the loop quantizing the same inputs (fp32 activations: the
+    quantizer's inputs agree to fp32 rounding, so a code may flip at a rounding tie: 1e-3)."""
+    gen = torch.Generator().manual_seed(300 + tokens)
+    w13, w2 = _experts(gen, 8, 192, 96)
+    (q13, d13), (q2, d2) = _fp8_experts(w13), _fp8_experts(w2)
+    x = torch.randn(tokens, 192, generator=gen)
+    weights, ids = _route(gen, tokens, experts=8)
+    out = torch.full(x.shape, float("nan"), device=DEVICE)
+    got = fused_moe(x.to(DEVICE), q13, q2, weights.to(DEVICE), ids.to(DEVICE), out=out,
+                    fp8_activations=True)
+    want = _w8a8_loop(x, d13, d2, weights, ids)
+    _close(got, want, 1e-3 * float(want.abs().max()), 1e-3)
+    w8a16 = ref_fused_moe(x, d13, d2, weights, ids)
+    assert (want - w8a16).abs().max() > 1e-3 * w8a16.abs().max()  # the activations were rounded

@@ -14,7 +14,7 @@ from kernels.triton import fused_moe, mla_decode
 from tests.kernels.triton_compile_sm90 import _build
 
 PTR = {"bf16": "*bf16", "fp8": "*u8", "int8": "*i8"}
-MOE_INTS = ["N", "K", "num_valid", "a_row_div", "up_offset", "stride_am", "stride_we",
+MOE_INTS = ["N", "K", "num_valid", "a_row_div", "up_offset", "stride_am", "stride_asm", "stride_we",
             "stride_wn", "stride_wk", "stride_se", "stride_sn", "stride_sk", "stride_om"]
 MLA_INTS = ["num_heads", "stride_qb", "stride_qh", "stride_kp", "stride_ko", "stride_pp",
             "stride_po", "stride_sp", "stride_psp", "stride_bt", "stride_ob", "stride_oh",
@@ -22,12 +22,14 @@ MLA_INTS = ["num_heads", "stride_qb", "stride_qh", "stride_kp", "stride_ko", "st
 
 
 def moe(fmt: int, swiglu: bool, block_m: int, ones: tuple[str, ...] = ()) -> None:
-    w, s = {0: ("*bf16", "*bf16"), 1: ("*u8", "*fp32"), 2: ("*u8", "*bf16")}[fmt]
-    sig = {"out_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": w, "ws_ptr": s, "wz_ptr": "*u8",
+    w, s = {0: ("*bf16", "*bf16"), 1: ("*u8", "*fp32"), 2: ("*u8", "*bf16"),
+            3: ("*u8", "*fp32")}[fmt]
+    sig = {"out_ptr": "*bf16", "a_ptr": "*u8" if fmt == 3 else "*bf16", "as_ptr": "*fp32",
+           "w_ptr": w, "ws_ptr": s, "wz_ptr": "*u8",
            "topk_w_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
            "num_post_pad_ptr": "*i32", **{n: "i32" for n in MOE_INTS if n not in ones}}
     _build(fused_moe.fused_moe_kernel, sig, dict(
-        {n: 1 for n in ones}, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if fmt == 1 else 64,
+        {n: 1 for n in ones}, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128 if fmt in (1, 3) else 64,
         GROUP_M=8 if block_m == 64 else 1, W_FORMAT=fmt, GROUP_K=32, HAS_ZEROS=fmt == 2,
         SWIGLU=swiglu, MUL_ROUTED=not swiglu, DOT_F32=False), 4)
 
@@ -45,7 +47,7 @@ def mla(kv: str, pe: str, split: bool, ones: tuple[str, ...] = ()) -> None:
 
 
 def main() -> int:
-    for fmt in (0, 1, 2):
+    for fmt in (0, 1, 2, 3):
         for swiglu, block_m in ((True, 16), (False, 64)):
             moe(fmt, swiglu, block_m)
             print("ok fused_moe", fmt, swiglu, block_m, flush=True)

@@ -140,10 +140,11 @@ def test_cli_reports_both_sizes(tmp_path, capsys):
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
     class Other(nn.Module):
-        config = type("Config", (), {"architecture": "MixtralForCausalLM"})()
+        config = type("Config", (), {"architecture": "GPT2LMHeadModel"})()
 
-    with pytest.raises(InvalidArgument, match="MixtralForCausalLM"):
+    with pytest.raises(InvalidArgument, match="GPT2LMHeadModel"):
         convert_model(Other(), INT4)
+    # MoE families convert in memory (per-phase weights) but not yet to a checkpoint
     assert main(["convert", "--weights", "int4", str(tmp_path / "q")]) == 0
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())
     cfg["architectures"] = ["MixtralForCausalLM"]
