@@ -175,7 +175,7 @@ def kv_bytes_per_token(spec: ModelSpec, config: PlanConfig) -> tuple[int, int]:
     if kv.kind == "mla":
         # NOTE: every TP rank attends with all its heads over the same latent, so the latent
         # (and the indexer key) is stored whole on every rank: per device == per model.
-        one = (kv.num_layers * fmt.latent_bytes_per_token_layer(kv.latent_dim)
+        one = (kv.num_layers * fmt.latent_bytes_per_token_layer(kv.latent_dim, kv.rope_dim)
                + kv.indexer_layers * fmt.latent_bytes_per_token_layer(kv.indexer_dim))
         return one, one
     full = kv.num_layers * fmt.gqa_bytes_per_token_layer(kv.num_kv_heads, kv.head_dim)

@@ -105,6 +105,16 @@ def test_kv_1_byte_formats_cost_one_bf16_scale_per_token_and_head(fmt):
     assert KVFormat(fmt).latent_bytes_per_token_layer(576) == 576 + 2
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_mla_latents_in_1_byte_formats_keep_their_rope_part_in_bf16(fmt):
+    # DeepSeek-V3: 512 codes + one bf16 scale + 64 bf16 RoPE elements (FlashMLA's 656 B has
+    # four fp32 scales where we keep one bf16)
+    assert KVFormat(fmt).latent_bytes_per_token_layer(576, rope_dim=64) == 512 + 2 + 128 == 642
+    assert KVFormat("bf16").latent_bytes_per_token_layer(576, rope_dim=64) == 576 * 2
+    with pytest.raises(InvalidArgument):
+        KVFormat(fmt).latent_bytes_per_token_layer(576, rope_dim=576)
+
+
 def test_unknown_formats_are_refused_by_name():
     with pytest.raises(InvalidArgument) as e:
         WeightFormat("int3")
@@ -132,7 +142,7 @@ def test_json_has_the_fields_and_a_breakdown_that_adds_up():
     assert experts["formats"] == ["int4-g32"] and experts["scale_bytes"] > 0
     assert experts["total_bytes"] == experts["data_bytes"] + experts["scale_bytes"]
     assert breakdown["attention"]["formats"] == ["bf16"]
-    assert out["kv_bytes_per_token"] == 79 * (576 + 2) + 79 * (128 + 2)
+    assert out["kv_bytes_per_token"] == 79 * (512 + 2 + 64 * 2) + 79 * (128 + 2)
     assert out["kv_capacity_tokens"] % 16 == 0 and out["fits"] is True
 
 
