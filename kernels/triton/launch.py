@@ -69,6 +69,32 @@ def _kv_format(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tens
     return quant
 
 
+def split_workspace(workspace: tuple[torch.Tensor, torch.Tensor] | None, rows: int,
+                    heads: int, splits: int, dim: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials [rows, heads, splits, dim] and their log-sum-exps [rows, heads, splits],
+    float32 contiguous: `workspace` checked (CUDA graphs pass preallocated ones) or new."""
+    if workspace is None:
+        return (torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=device),
+                torch.empty(rows, heads, splits, dtype=torch.float32, device=device))
+    part, lse = workspace
+    assert part.shape == (rows, heads, splits, dim) and part.is_contiguous()
+    assert lse.shape == (rows, heads, splits) and lse.is_contiguous()
+    assert part.dtype == lse.dtype == torch.float32
+    return part, lse
+
+
+def merge_splits(out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor) -> None:
+    """out [rows, heads, dim] (any row and head strides) = the split-K partials merged by their
+    log-sum-exps (`split_workspace`'s tensors), in split order."""
+    rows, heads, splits, dim = part.shape
+    _jit()[0].merge_splits_kernel[(rows, heads)](
+        out, part, lse, splits, heads, out.stride(0), out.stride(1),
+        part.stride(0), part.stride(1), part.stride(2),
+        HEAD_DIM=dim, BLOCK_D=_next_pow2(dim), BLOCK_S=_next_pow2(splits), num_warps=4,
+    )
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, scale: float,
@@ -135,15 +161,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = out.view(tokens, num_heads, dim)
     splits = num_splits
     if splits > 1:
-        if workspace is None:
-            workspace = (torch.empty(tokens, num_heads, splits, dim, dtype=torch.float32,
-                                     device=q.device),
-                         torch.empty(tokens, num_heads, splits, dtype=torch.float32,
-                                     device=q.device))
-        part, lse = workspace
-        assert part.shape == (tokens, num_heads, splits, dim) and part.is_contiguous()
-        assert lse.shape == (tokens, num_heads, splits) and lse.is_contiguous()
-        assert part.dtype == lse.dtype == torch.float32
+        part, lse = split_workspace(workspace, tokens, num_heads, splits, dim, q.device)
         target, o_strides = part, part.stride()[:3]
     else:
         lse, target, o_strides = out, out, (*out.stride()[:2], 0)
@@ -166,11 +184,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_warps=4, num_stages=2,
     )
     if splits > 1:
-        paged.merge_splits_kernel[(tokens, num_heads)](
-            out, part, lse, splits, num_heads, out.stride(0), out.stride(1),
-            part.stride(0), part.stride(1), part.stride(2),
-            HEAD_DIM=dim, BLOCK_D=_next_pow2(dim), BLOCK_S=_next_pow2(splits), num_warps=4,
-        )
+        merge_splits(out, part, lse)
     if post:
         res = _per_kv_head(fwht(out) if rotated else out, out_scale, kv_heads).to(out_dtype)
         if final is None:
