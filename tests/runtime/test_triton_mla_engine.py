@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 A = "The history of the Roman empire begins with a small city on the Tiber river in Italy"
 B = "Photosynthesis is the process"
 C = A + ", and then"  # a's first page, then its own tokens: a prefix hit
-PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
