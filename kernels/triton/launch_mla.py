@@ -23,7 +23,7 @@ from kernels.triton.launch import (
     _interpreted,
     _next_pow2,
     merge_splits,
-    split_workspace,
+    split_targets,
 )
 
 
@@ -104,11 +104,7 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
     if batch == 0:
         return out
     splits = num_splits
-    if splits > 1:
-        part, lse = split_workspace(workspace, batch, num_heads, splits, lora, q.device)
-        target, o_strides = part, part.stride()[:3]
-    else:
-        lse, target, o_strides = out, out, (*out.stride()[:2], 0)
+    target, lse, o_strides = split_targets(out, splits, workspace)
     ks = latent_scale[0] if kv_quant else kv
     pes = pe_scale[0] if pe_quant else pe
     block_h = 16  # tl.dot's smallest M; SGLang caps it at 16 too (shared memory at 128 heads)
@@ -125,7 +121,7 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
         num_stages=2,
     )
     if splits > 1:
-        merge_splits(out, part, lse)
+        merge_splits(out, target, lse)
     return out
 
 

@@ -26,6 +26,7 @@ echo "## kernel tests, native (TRITON_INTERPRET unset)"
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_paged_attention.py \
     tests/kernels/test_triton_store_kv.py tests/kernels/test_triton_verify_pages.py \
     tests/kernels/test_triton_fused_moe.py tests/kernels/test_triton_mla_decode.py \
+    tests/kernels/test_triton_latent.py \
     tests/kernels/test_triton_w4a16.py tests/kernels/test_triton_fp8_block.py || status=1
 echo
 timeout 120 "$PY" -m ops.bench.gpu_check "$@" || status=1

@@ -1,5 +1,5 @@
-"""Every fused-MoE and MLA-decode kernel variant compiles for sm_90 (H100/H200) on this CPU-only
-machine (tests/kernels/triton_compile_sm90_moe_mla.py, in a subprocess without
+"""Every fused-MoE, MLA-decode and latent-store kernel variant compiles for sm_90 (H100/H200)
+on this CPU-only machine (tests/kernels/triton_compile_sm90_moe_mla.py, in a subprocess without
 TRITON_INTERPRET): the interpreter accepts code the GPU compiler rejects, e.g. `.to()` on a
 scalar argument that Triton specialised to the constexpr 1."""
 
@@ -29,4 +29,4 @@ def test_every_moe_and_mla_kernel_variant_compiles_to_an_sm90_cubin(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("ok ") == 13
+    assert done.stdout.count("ok ") == 16
