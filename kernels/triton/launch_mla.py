@@ -1,12 +1,14 @@
-"""Launcher for the Triton MLA decode kernel over tessera's latent pages: shape, dtype and
-stride asserts, grid, split-K workspace.
+"""Launchers for the Triton MLA kernels over tessera's latent pages: shape, dtype and stride
+asserts, grids, split-K workspace.
 
-The page layout is `runtime/kv/cache.py`'s: [1, pages, page_size, latent_dim] with one token's
-normalised c_kv (kv_lora_rank values) then its roped k_pe, and for 1-byte pages one bf16 scale
-per token over the whole row ([1, pages, page_size]). The RoPE part may instead come from its
-own tensor (`rope_cache`, e.g. bf16 as FlashMLA keeps it) or carry its own scale
-(`rope_scale`); see `mla_decode`. No launcher reads a device value, and the grid is a function
-of (batch, heads, num_splits) only, so a decode step can be captured in a CUDA graph.
+The page layout is `kernels/latent.py`'s: [1, pages, page_size, row_width], one token's
+normalised c_kv (kv_lora_rank values) then its roped k_pe; 1-byte rows hold c_kv codes with one
+bf16 scale per token ([1, pages, page_size]) and the k_pe part as bf16 bytes (FlashMLA's
+format), which `mla_decode` reads through `rope_cache` (a bf16 view of the row's tail).
+`mla_decode` also takes a RoPE part under the row's scale or with a scale of its own (the
+layouts measured before choosing this one). `store_latent` writes the row; `mla_attention` is
+the varlen form the `triton` backend runs. No launcher reads a device value, and the grids
+are functions of shapes and num_splits only, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -65,9 +67,10 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
     latent_scale [1, pages, page_size] (bf16/fp32) for 1-byte pages; c_kv is its first
     kv_lora_rank columns (a power of two). The RoPE part k_pe is:
     - rope_cache None: the row's next `rope` columns, scaled by rope_scale when given, else
-      by latent_scale (tessera's pages today: one scale over the whole row);
-    - rope_cache [1, pages, page_size, rope] (any page/slot strides, e.g. a bf16 view of the
-      row's tail): its own format, with rope_scale if it is 1-byte.
+      by latent_scale (float pages; 1-byte rows under one scale, measured, not used);
+    - rope_cache [1, pages, page_size, rope] (any page/slot strides, e.g. the bf16 view of the
+      row's tail that tessera's 1-byte pages hold): its own format, with rope_scale if it is
+      1-byte.
     block_table [batch, max_pages] int32/int64; seq_lens [batch] (0: a padded row, zeros).
     num_splits > 1: split-K with workspace (partials [batch, heads, num_splits, kv_lora_rank],
     lse [batch, heads, num_splits]) float32 contiguous, allocated here if not given.
