@@ -230,7 +230,10 @@ def test_glm5_checkpoint_sizes_match_the_reference():
 
 
 def test_kv_capacities_match_the_reference_with_one_shared_reserve():
-    common = ["--device-memory-gb", "141", "--tp", "8", "--weights", "int4", "--reserve-gb", "24"]
+    # the reference's figures imply a latent row under one scale (--mla-rope shared), not
+    # tessera's bf16 RoPE part (see the next test)
+    common = ["--device-memory-gb", "141", "--tp", "8", "--weights", "int4", "--reserve-gb", "24",
+              "--mla-rope", "shared"]
     glm = plan_json(str(CONFIGS / "glm5.json"), *common, "--kv-cache-dtype", "fp8")
     kimi_bf16 = plan_json(str(CONFIGS / "kimi_k2.json"), *common, "--kv-cache-dtype", "bf16")
     kimi_fp8 = plan_json(str(CONFIGS / "kimi_k2.json"), *common, "--kv-cache-dtype", "fp8")
@@ -239,6 +242,18 @@ def test_kv_capacities_match_the_reference_with_one_shared_reserve():
     assert within(kimi_fp8["kv_capacity_tokens"], 1.37e6, 0.05)
     assert within(kimi_fp8["kv_capacity_tokens"] / kimi_bf16["kv_capacity_tokens"],
                   1.37e6 / 686e3, 0.05)
+
+
+def test_tesseras_bf16_rope_part_costs_kimi_k2_a_tenth_of_its_fp8_kv_capacity():
+    common = ["--device-memory-gb", "141", "--tp", "8", "--weights", "int4", "--reserve-gb", "24",
+              "--kv-cache-dtype", "fp8"]
+    ours = plan_json(str(CONFIGS / "kimi_k2.json"), *common)
+    shared = plan_json(str(CONFIGS / "kimi_k2.json"), *common, "--mla-rope", "shared")
+    layers = 61
+    assert ours["kv_bytes_per_token"] == layers * (512 + 2 + 64 * 2)
+    assert shared["kv_bytes_per_token"] == layers * (576 + 2)
+    assert within(ours["kv_capacity_tokens"] / shared["kv_capacity_tokens"], 578 / 642, 0.01)
+    assert any("RoPE values stay bf16" in a for a in ours["assumptions"])
 
 
 # -- bad input names the field ------------------------------------------------------------------
