@@ -14,7 +14,9 @@ pytest.importorskip("triton", reason="triton is not installed (the test extra in
 
 from runtime import LLM, SamplingParams
 from runtime.attention.triton_tags import DeviceTagIntegrityTracker
-from tests.runtime.moe_models import build_tiny_moe
+
+# the tiny DeepSeek-V3 checkpoint and one torch thread, as the latent-page tests build them
+from tests.runtime.test_mla_kv import _one_thread, checkpoint  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -24,22 +26,9 @@ C = A + ", and then"  # a's first page, then its own tokens: a prefix hit
 PARAMS = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_torch_thread):
-    """One thread, as the other model-comparison modules run."""
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, hf_tokenizer):
-    pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny-deepseek-v3")
-    build_tiny_moe("DeepseekV3ForCausalLM", path, hf_tokenizer)
-    return str(path)
-
-
-def _run(checkpoint: str, kv: str, backend: str) -> tuple[dict[str, list[int]], int, LLM]:
+def _run(path, kv: str, backend: str) -> tuple[dict[str, list[int]], int, LLM]:
     """a and b together (a decode beside a prefill), then c (hits a's cached page)."""
-    llm = LLM(model=checkpoint, kv_cache_bytes=4 << 20, max_num_seqs=4, kv_cache_dtype=kv,
+    llm = LLM(model=str(path), kv_cache_bytes=4 << 20, max_num_seqs=4, kv_cache_dtype=kv,
               attention_backend=backend)
     first = llm.generate([A, B], PARAMS)
     c = llm.generate([C], PARAMS)[0]
@@ -50,7 +39,7 @@ def _run(checkpoint: str, kv: str, backend: str) -> tuple[dict[str, list[int]], 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
 def test_triton_backend_gives_the_torch_tokens_over_latent_pages_with_a_prefix_hit(
-        checkpoint, kv):
+        checkpoint, kv):  # noqa: F811
     want, _, _ = _run(checkpoint, kv, "torch")
     got, cached, llm = _run(checkpoint, kv, "triton")
     assert isinstance(llm.engine.tracker, DeviceTagIntegrityTracker)
