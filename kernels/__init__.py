@@ -16,6 +16,7 @@ from kernels.int8 import (
     quantize_int8_kv,
     quantize_kv,
 )
+from kernels.latent import dequantize_latent_pages, dequantize_latent_rows, rope_view
 from kernels.moe import fused_moe, moe_align, ref_fused_moe
 from kernels.paged_attention import (
     decode_pads_to_longest,
@@ -34,6 +35,8 @@ __all__ = [
     "dequantize_fp8_kv",
     "dequantize_int8_kv",
     "dequantize_kv",
+    "dequantize_latent_pages",
+    "dequantize_latent_rows",
     "fp8_scale",
     "fused_moe",
     "is_quantized_kv",
@@ -48,6 +51,7 @@ __all__ = [
     "ref_paged_decode_attention",
     "ref_paged_prefill_attention",
     "ref_store_kv",
+    "rope_view",
     "store_kv",
     "store_latent",
 ]

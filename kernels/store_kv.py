@@ -16,6 +16,7 @@ import torch
 from kernels.cpu_ops import native_ops
 from kernels.hadamard import fwht
 from kernels.int8 import is_quantized_kv, quantize_kv
+from kernels.latent import ref_store_latent
 
 
 def ref_store_rows(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
@@ -72,11 +73,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
                  scale: torch.Tensor | None = None) -> None:
     """MLA: write new tokens' latent vectors [tokens, 1, latent_dim] into latent pages
-    [1, pages, page_size, latent_dim] (fp8 / int8 pages: one scale per token in
-    `scale`)."""
-    assert latent.shape[1:] == (1, cache.shape[-1]) and cache.shape[0] == 1, (latent.shape,
-                                                                              cache.shape)
-    if latent.dtype != torch.float32:
+    [1, pages, page_size, row_width] (`kernels/latent.py`: float pages hold the latent as it is,
+    through the `store_kv_rows` op for float32 latents; 1-byte pages the c_kv codes with one
+    scale per token in `scale` and the RoPE part in bf16, written by the torch twin)."""
+    assert latent.dim() == 3 and latent.shape[1] == 1 and cache.shape[0] == 1, (latent.shape,
+                                                                                cache.shape)
+    if is_quantized_kv(cache.dtype):
+        ref_store_latent(latent, cache, slot_mapping, scale)
+    elif latent.dtype != torch.float32:
         ref_store_rows(latent, cache, scale, slot_mapping, False)
     else:
         native_ops().store_kv_rows(latent, cache, slot_mapping, scale)

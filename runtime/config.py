@@ -31,6 +31,7 @@ class ModelConfig:
     # MLA (DeepSeek-V3): what one token caches per layer, kv_lora_rank + qk_rope_head_dim
     # elements, instead of K and V per KV head.
     kv_latent_dim: int | None = None
+    kv_rope_dim: int | None = None  # MLA: the latent's last qk_rope_head_dim elements (k_pe)
     # The config.json as read: model families parse their own fields (experts, routing) from it.
     hf_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -90,6 +91,7 @@ class ModelConfig:
                 attention_bias=bool(cfg.get("attention_bias", False)),
                 kv_latent_dim=(int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
                                if cfg.get("kv_lora_rank") else None),
+                kv_rope_dim=(int(cfg["qk_rope_head_dim"]) if cfg.get("kv_lora_rank") else None),
                 hf_config=dict(cfg),
             )
         except KeyError as e:

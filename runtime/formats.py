@@ -15,6 +15,8 @@ Tensors that are never quantized (embeddings, norms, router) are stored in the m
 KV cache, per stored vector (one token of one KV head, or one token's MLA latent):
 - fp32 / bf16 / fp16: 4 / 2 / 2 bytes per element.
 - fp8 (e4m3) / int8 (symmetric, amax / 127): 1 byte per element plus one bf16 scale per vector.
+  An MLA latent's RoPE part (k_pe) is not quantized: it stays bf16 in the row, 2 bytes per
+  element, outside the scale (FlashMLA's choice: one scale over both parts loses RoPE scores).
 """
 
 from __future__ import annotations
@@ -164,6 +166,13 @@ class KVFormat:
         int8."""
         return 2 * num_kv_heads * self.vector_bytes(head_dim)
 
-    def latent_bytes_per_token_layer(self, latent_dim: int) -> int:
-        """MLA's cached latent (kv_lora_rank + qk_rope_head_dim): one tensor, one scale."""
+    def latent_bytes_per_token_layer(self, latent_dim: int, rope_dim: int = 0) -> int:
+        """MLA's cached latent (kv_lora_rank + qk_rope_head_dim = latent_dim) in one row: in
+        fp8 / int8, kv_lora_rank codes and one bf16 scale, then its `rope_dim` RoPE elements
+        in bf16 (DeepSeek-V3: 512 + 2 + 128 = 642 bytes); other formats latent_dim elements."""
+        if rope_dim < 0 or (rope_dim and rope_dim >= latent_dim):
+            raise InvalidArgument(f"rope_dim must be in [0, {latent_dim}), got {rope_dim}",
+                                  field="rope_dim")
+        if self.quantized:
+            return self.vector_bytes(latent_dim - rope_dim) + rope_dim * ELEMENT_BYTES["bf16"]
         return self.vector_bytes(latent_dim)

@@ -63,15 +63,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          q_scale, out_scale, num_splits=splits)
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            page_ids: torch.Tensor, context_len: int, mask: torch.Tensor | None,
-                            scale: float, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None, hadamard: bool = False,
-                            q_scale: torch.Tensor | None = None,
-                            out_scale: torch.Tensor | None = None) -> torch.Tensor:
-    return launch.paged_prefill_attention(q, k_cache, v_cache, page_ids.contiguous(),
-                                          context_len, mask, scale, k_scale, v_scale, hadamard,
-                                          q_scale, out_scale)
+# the launcher takes the op's arguments as they are (the causal-with-offset mask only)
+paged_prefill_attention = launch.paged_prefill_attention
 
 
 def verify_pages(page_ids: torch.Tensor, expected_page_ids: torch.Tensor,

@@ -69,6 +69,38 @@ def _kv_format(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tens
     return quant
 
 
+def split_targets(out: torch.Tensor, splits: int,
+                  workspace: tuple[torch.Tensor, torch.Tensor] | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """Where an attention kernel writes for out [rows, heads, dim]: (target, lse, the target's
+    (row, head, split) strides). One split: out itself (lse unused). Split-K: partials [rows,
+    heads, splits, dim] and their log-sum-exps [rows, heads, splits], float32 contiguous, from
+    `workspace` (checked; CUDA graphs pass preallocated ones) or new; `merge_splits` them."""
+    if splits == 1:
+        return out, out, (*out.stride()[:2], 0)
+    rows, heads, dim = out.shape
+    if workspace is None:
+        workspace = (torch.empty(rows, heads, splits, dim, dtype=torch.float32,
+                                 device=out.device),
+                     torch.empty(rows, heads, splits, dtype=torch.float32, device=out.device))
+    part, lse = workspace
+    assert part.shape == (rows, heads, splits, dim) and part.is_contiguous()
+    assert lse.shape == (rows, heads, splits) and lse.is_contiguous()
+    assert part.dtype == lse.dtype == torch.float32
+    return part, lse, part.stride()[:3]
+
+
+def merge_splits(out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor) -> None:
+    """out [rows, heads, dim] (any row and head strides) = the split-K partials merged by their
+    log-sum-exps (`split_targets`' tensors), in split order."""
+    rows, heads, splits, dim = part.shape
+    _jit()[0].merge_splits_kernel[(rows, heads)](
+        out, part, lse, splits, heads, out.stride(0), out.stride(1),
+        part.stride(0), part.stride(1), part.stride(2),
+        HEAD_DIM=dim, BLOCK_D=_next_pow2(dim), BLOCK_S=_next_pow2(splits), num_warps=4,
+    )
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, scale: float,
@@ -134,19 +166,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                           device=q.device)
     out = out.view(tokens, num_heads, dim)
     splits = num_splits
-    if splits > 1:
-        if workspace is None:
-            workspace = (torch.empty(tokens, num_heads, splits, dim, dtype=torch.float32,
-                                     device=q.device),
-                         torch.empty(tokens, num_heads, splits, dtype=torch.float32,
-                                     device=q.device))
-        part, lse = workspace
-        assert part.shape == (tokens, num_heads, splits, dim) and part.is_contiguous()
-        assert lse.shape == (tokens, num_heads, splits) and lse.is_contiguous()
-        assert part.dtype == lse.dtype == torch.float32
-        target, o_strides = part, part.stride()[:3]
-    else:
-        lse, target, o_strides = out, out, (*out.stride()[:2], 0)
+    target, lse, o_strides = split_targets(out, splits, workspace)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     grid = (tokens // block_q + num_seqs, kv_heads, splits)
@@ -166,11 +186,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_warps=4, num_stages=2,
     )
     if splits > 1:
-        paged.merge_splits_kernel[(tokens, num_heads)](
-            out, part, lse, splits, num_heads, out.stride(0), out.stride(1),
-            part.stride(0), part.stride(1), part.stride(2),
-            HEAD_DIM=dim, BLOCK_D=_next_pow2(dim), BLOCK_S=_next_pow2(splits), num_warps=4,
-        )
+        merge_splits(out, target, lse)
     if post:
         res = _per_kv_head(fwht(out) if rotated else out, out_scale, kv_heads).to(out_dtype)
         if final is None:
@@ -213,8 +229,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert chunk <= context_len, (chunk, context_len)
     lens = torch.tensor([context_len], dtype=torch.int32, device=q.device)
     cu = torch.tensor([0, chunk], dtype=torch.int32, device=q.device)
-    return paged_attention(q, k_cache, v_cache, page_ids.view(1, -1), lens, cu, scale,
-                           k_scale, v_scale, hadamard, q_scale, out_scale, max_seqlen_q=chunk)
+    table = page_ids.reshape(1, -1).contiguous()
+    return paged_attention(q, k_cache, v_cache, table, lens, cu, scale, k_scale, v_scale,
+                           hadamard, q_scale, out_scale, max_seqlen_q=chunk)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,38 +1,38 @@
-"""Launcher for the Triton MLA decode kernel over tessera's latent pages: shape, dtype and
-stride asserts, grid, split-K workspace.
+"""Launchers for the Triton MLA kernels over tessera's latent pages: shape, dtype and stride
+asserts, grids, split-K workspace.
 
-The page layout is `runtime/kv/cache.py`'s: [1, pages, page_size, latent_dim] with one token's
-normalised c_kv (kv_lora_rank values) then its roped k_pe, and for 1-byte pages one bf16 scale
-per token over the whole row ([1, pages, page_size]). The RoPE part may instead come from its
-own tensor (`rope_cache`, e.g. bf16 as FlashMLA keeps it) or carry its own scale
-(`rope_scale`); see `mla_decode`. No launcher reads a device value, and the grid is a function
-of (batch, heads, num_splits) only, so a decode step can be captured in a CUDA graph.
+The page layout is `kernels/latent.py`'s: [1, pages, page_size, row_width], one token's
+normalised c_kv (kv_lora_rank values) then its roped k_pe; 1-byte rows hold c_kv codes with one
+bf16 scale per token ([1, pages, page_size]) and the k_pe part as bf16 bytes (FlashMLA's
+format), which `mla_decode` reads through `rope_cache` (a bf16 view of the row's tail).
+`mla_decode` also takes a RoPE part under the row's scale or with a scale of its own (the
+layouts measured before choosing this one). `store_latent` writes the row; `mla_attention` is
+the varlen form the `triton` backend runs. No launcher reads a device value, and the grids
+are functions of shapes and num_splits only, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-MAX_SPLITS = 64
-_QUANT = {torch.uint8: 1, torch.int8: 2}  # page storage dtype -> the kernel's *_QUANT code
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+from kernels.latent import latent_split, rope_view
+from kernels.triton.launch import (
+    _FLOAT_PAGES,
+    _QUANT,
+    MAX_SPLITS,
+    _interpreted,
+    _next_pow2,
+    merge_splits,
+    split_targets,
+)
 
 
 def _jit() -> Any:
-    from kernels.triton import mla_decode, paged_attention
+    from kernels.triton import mla_decode, store_kv
 
-    return mla_decode, paged_attention
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return mla_decode, store_kv
 
 
 def _codes(pages: torch.Tensor, scale: torch.Tensor | None, what: str) -> int:
@@ -41,7 +41,7 @@ def _codes(pages: torch.Tensor, scale: torch.Tensor | None, what: str) -> int:
         f"{what}: [1, pages, page_size, dim] with contiguous rows, got {tuple(pages.shape)}"
     quant = _QUANT.get(pages.dtype, 0)
     if quant == 0:
-        assert pages.dtype in _FLOATS, f"{what}: {pages.dtype} pages are not supported"
+        assert pages.dtype in _FLOAT_PAGES, f"{what}: {pages.dtype} pages are not supported"
         assert scale is None, f"{what}: scales are for 1-byte pages"
         return 0
     # NOTE: never a silent scale of 1.0: a 1-byte page without its scales is a caller bug
@@ -57,8 +57,9 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
                num_splits: int = 1, out: torch.Tensor | None = None,
                workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention of q [batch, heads, kv_lora_rank + rope] (q_nope absorbed through
-    W_UK, then q_pe; bf16/fp16) over each sequence's first seq_lens[b] cached latents in pages
-    block_table[b, :]; returns softmax(scale * (q_latent . c_kv + q_pe . k_pe)) @ c_kv,
+    W_UK, then q_pe; bf16/fp16/fp32, fp32 with IEEE products) over each sequence's first
+    seq_lens[b] cached latents in pages block_table[b, :]; returns
+    softmax(scale * (q_latent . c_kv + q_pe . k_pe)) @ c_kv,
     [batch, heads, kv_lora_rank] in q's dtype (into `out` when given: that shape and dtype,
     contiguous). W_UV and o_proj are the caller's.
 
@@ -66,16 +67,17 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
     latent_scale [1, pages, page_size] (bf16/fp32) for 1-byte pages; c_kv is its first
     kv_lora_rank columns (a power of two). The RoPE part k_pe is:
     - rope_cache None: the row's next `rope` columns, scaled by rope_scale when given, else
-      by latent_scale (tessera's pages today: one scale over the whole row);
-    - rope_cache [1, pages, page_size, rope] (any page/slot strides, e.g. a bf16 view of the
-      row's tail): its own format, with rope_scale if it is 1-byte.
+      by latent_scale (float pages; 1-byte rows under one scale, measured, not used);
+    - rope_cache [1, pages, page_size, rope] (any page/slot strides, e.g. the bf16 view of the
+      row's tail that tessera's 1-byte pages hold): its own format, with rope_scale if it is
+      1-byte.
     block_table [batch, max_pages] int32/int64; seq_lens [batch] (0: a padded row, zeros).
     num_splits > 1: split-K with workspace (partials [batch, heads, num_splits, kv_lora_rank],
     lse [batch, heads, num_splits]) float32 contiguous, allocated here if not given.
     AssertionError on shapes, dtypes or strides.
     """
-    mla, paged = _jit()
-    assert q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16), (q.shape, q.dtype)
+    mla = _jit()[0]
+    assert q.dim() == 3 and q.dtype in _FLOAT_PAGES, (q.shape, q.dtype)
     assert q.stride(-1) == 1
     batch, num_heads, q_dim = q.shape
     lora, rope = kv_lora_rank, q_dim - kv_lora_rank
@@ -105,19 +107,7 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
     if batch == 0:
         return out
     splits = num_splits
-    if splits > 1:
-        if workspace is None:
-            workspace = (torch.empty(batch, num_heads, splits, lora, dtype=torch.float32,
-                                     device=q.device),
-                         torch.empty(batch, num_heads, splits, dtype=torch.float32,
-                                     device=q.device))
-        part, lse = workspace
-        assert part.shape == (batch, num_heads, splits, lora) and part.is_contiguous()
-        assert lse.shape == (batch, num_heads, splits) and lse.is_contiguous()
-        assert part.dtype == lse.dtype == torch.float32
-        target, o_strides = part, part.stride()[:3]
-    else:
-        lse, target, o_strides = out, out, (*out.stride()[:2], 0)
+    target, lse, o_strides = split_targets(out, splits, workspace)
     ks = latent_scale[0] if kv_quant else kv
     pes = pe_scale[0] if pe_quant else pe
     block_h = 16  # tl.dot's smallest M; SGLang caps it at 16 too (shared memory at 128 heads)
@@ -130,12 +120,84 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
         block_table.stride(0), *o_strides,
         LORA=lora, ROPE=rope, BLOCK_R=_next_pow2(rope), PAGE_SIZE=page_size,
         BLOCK_H=block_h, TILE_N=32 if kv_quant else 16, KV_QUANT=kv_quant, PE_QUANT=pe_quant,
-        SPLIT=splits > 1, DOT_F32=_interpreted(), num_warps=4, num_stages=2,
+        SPLIT=splits > 1, DOT_F32=_interpreted() or q.dtype == torch.float32, num_warps=4,
+        num_stages=2,
     )
     if splits > 1:
-        paged.merge_splits_kernel[(batch, num_heads)](
-            out, part, lse, splits, num_heads, out.stride(0), out.stride(1),
-            part.stride(0), part.stride(1), part.stride(2),
-            HEAD_DIM=lora, BLOCK_D=lora, BLOCK_S=_next_pow2(splits), num_warps=4,
-        )
+        merge_splits(out, target, lse)
     return out
+
+
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 scale: torch.Tensor | None = None) -> None:
+    """`kernels.store_kv.store_latent` in one launch, in place, bit for bit its result:
+    latent [tokens, 1, kv_lora_rank + rope] (bf16/fp16/fp32, any token stride) into latent
+    pages [1, pages, page_size, row_width] at slot_mapping [tokens] (-1 writes nothing); 1-byte
+    pages (`kernels/latent.py`'s row) take scale [1, pages, page_size] bf16. kv_lora_rank and
+    rope must be powers of two (512 and 64 for DeepSeek-V3)."""
+    store = _jit()[1]
+    assert latent.dim() == 3 and latent.shape[1] == 1 and latent.stride(-1) == 1, latent.shape
+    assert cache.dim() == 4 and cache.shape[0] == 1 and cache.is_contiguous(), cache.shape
+    tokens, _, dim = latent.shape
+    page_size, width = cache.shape[2], cache.shape[3]
+    quant = _QUANT.get(cache.dtype, 0)
+    lora, rope = latent_split(width, dim, cache.dtype)
+    if quant == 0:
+        assert scale is None, "scales are for 1-byte pages"
+        # a plain copy: any cut into two power-of-two parts will do (576 = 512 + 64)
+        lora = 1 << (dim.bit_length() - 1)
+        rope = dim - lora
+        pe = cache[..., lora:]
+    else:
+        assert scale is not None and scale.shape == cache.shape[:3] and scale.is_contiguous()
+        pe = rope_view(cache, lora)
+    assert rope > 0 and lora == _next_pow2(lora) and rope == _next_pow2(rope), (lora, rope)
+    assert slot_mapping.shape == (tokens,), (slot_mapping.shape, tokens)
+    if tokens == 0:
+        return
+    # NOTE: bf16 scales are written as their bit patterns (see store_kv.py's _bf16_bits)
+    sc = scale.view(torch.uint16) if scale is not None else cache
+    block_t = min(16, _next_pow2(tokens))
+    store.store_latent_kernel[(-(-tokens // block_t),)](
+        latent, cache, pe, sc, slot_mapping, tokens, latent.stride(0),
+        cache.stride(1), cache.stride(2), pe.stride(1), pe.stride(2),
+        sc.stride(1) if quant else 0,
+        PAGE_SIZE=page_size, LORA=lora, ROPE=rope, QUANT=quant, BLOCK_T=block_t,
+        num_warps=4 if block_t > 4 else 1,
+    )
+
+
+def mla_attention(q: torch.Tensor, latent_cache: torch.Tensor,
+                  latent_scale: torch.Tensor | None, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
+                  kv_lora_rank: int, num_splits: int = 1,
+                  max_seqlen_q: int | None = None) -> torch.Tensor:
+    """Varlen MLA over tessera's latent pages, as `launch.paged_attention` is for K/V: sequence
+    s has queries q[cu_seqlens_q[s]:cu_seqlens_q[s+1]], the last of its seq_lens[s] tokens
+    (causal with that offset), in pages block_table[s, :]. q [T, heads, latent_dim];
+    latent_cache [1, pages, page_size, row_width] in `kernels/latent.py`'s row (1-byte rows:
+    c_kv codes with latent_scale [1, pages, page_size], the RoPE part read as its bf16 view).
+    Returns [T, heads, kv_lora_rank] in q's dtype.
+
+    Every query token is one row of `mla_decode` over its own causal context, as the CPU path
+    runs a prefill chunk through its decode kernel: one kernel for decode, prefill and extend,
+    reading the pages in place (no dequantized copy). A prefill re-reads its context per
+    token, which a q-blocked MLA prefill kernel would not; that is the follow-up for long
+    prompts. The rows come from device tensors (no host sync)."""
+    tokens, seqs = q.shape[0], block_table.shape[0]
+    assert cu_seqlens_q.shape == (seqs + 1,) and seq_lens.shape == (seqs,)
+    if (max_seqlen_q == 1 if max_seqlen_q is not None else tokens == seqs):
+        table, lens = block_table, seq_lens
+    else:
+        ends = cu_seqlens_q[1:].long()
+        q_lens = ends - cu_seqlens_q[:-1].long()
+        seq_of = torch.repeat_interleave(torch.arange(seqs, device=q.device), q_lens,
+                                         output_size=tokens)
+        position = torch.arange(tokens, device=q.device)
+        lens = seq_lens.long()[seq_of] - (ends[seq_of] - 1 - position)
+        table = block_table.index_select(0, seq_of)
+    rope_cache = None
+    if _QUANT.get(latent_cache.dtype, 0):
+        rope_cache = rope_view(latent_cache, kv_lora_rank)
+    return mla_decode(q, latent_cache, table.contiguous(), lens, scale, kv_lora_rank,
+                      latent_scale, rope_cache, num_splits=num_splits)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton.paged_attention import _decode_tile, _dot
+from kernels.triton.paged_attention import _decode_tile, _dot, _page_slots, _split_range
 
 
 @triton.jit
@@ -49,13 +49,7 @@ def mla_decode_kernel(
     q = tl.load(q_rows + offs_l[None, :], mask=h_ok[:, None], other=0.0)
     q_pe = tl.load(q_rows + LORA + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :],
                    other=0.0)
-    if SPLIT:
-        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
-        kv_lo = split * split_len
-        kv_hi = tl.minimum(kv_lo + split_len, seq_len)
-    else:
-        kv_lo = 0
-        kv_hi = seq_len
+    kv_lo, kv_hi = _split_range(seq_len, split, num_splits, TILE_N, SPLIT)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -65,9 +59,7 @@ def mla_decode_kernel(
     for start in range(kv_lo, kv_hi, TILE_N):
         pos = start + offs_n
         n_ok = pos < kv_hi
-        # NOTE: int64 before any stride product: page * stride overflows int32 in big pools
-        page = tl.load(table + pos // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = (pos % PAGE_SIZE).to(tl.int64)
+        page, slot = _page_slots(table, pos, n_ok, PAGE_SIZE)
         kv = tl.load(kv_ptr + (page * stride_kp + slot * stride_ko)[:, None] + offs_l[None, :],
                      mask=n_ok[:, None], other=0)
         kv = _decode_tile(kv, KV_QUANT, q.dtype)  # [TILE_N, LORA]: keys' latent part and values

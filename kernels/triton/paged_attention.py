@@ -50,6 +50,28 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _split_range(kv_end, split, num_splits, TILE_N: tl.constexpr, SPLIT: tl.constexpr):
+    """Keys [kv_lo, kv_hi) of this split of [0, kv_end): whole tiles, sized from the length (so
+    a sequence's splits follow its own length), the last ones possibly empty."""
+    if SPLIT:
+        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), TILE_N) * TILE_N
+        kv_lo = split * split_len
+        kv_hi = tl.minimum(kv_lo + split_len, kv_end)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+    return kv_lo, kv_hi
+
+
+@triton.jit
+def _page_slots(table, pos, n_ok, PAGE_SIZE: tl.constexpr):
+    """(page id, slot in page) of token positions `pos` through a block-table row, int64."""
+    # NOTE: int64 before any stride product: page * stride overflows int32 in big pools
+    page = tl.load(table + pos // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    return page, (pos % PAGE_SIZE).to(tl.int64)
+
+
+@triton.jit
 def paged_attention_kernel(
     out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     block_table_ptr, seq_lens_ptr, cu_q_ptr, valid_ptr,
@@ -95,13 +117,7 @@ def paged_attention_kernel(
     prefix = seq_len - q_len  # cached tokens before this chunk: causal with that offset
     q_pos = prefix + q_tok
     kv_end = tl.minimum(seq_len, prefix + tl.minimum((local + 1) * BLOCK_Q, q_len))
-    if SPLIT:
-        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), TILE_N) * TILE_N
-        kv_lo = split * split_len
-        kv_hi = tl.minimum(kv_lo + split_len, kv_end)
-    else:
-        kv_lo = 0
-        kv_hi = kv_end
+    kv_lo, kv_hi = _split_range(kv_end, split, num_splits, TILE_N, SPLIT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -113,9 +129,7 @@ def paged_attention_kernel(
     for start in range(kv_lo, kv_hi, TILE_N):
         pos = start + offs_n
         n_ok = pos < kv_hi
-        # NOTE: int64 before any stride product: page * stride overflows int32 in big pools
-        page = tl.load(table + pos // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = (pos % PAGE_SIZE).to(tl.int64)
+        page, slot = _page_slots(table, pos, n_ok, PAGE_SIZE)
         k = tl.load(k_base + (page * stride_kp + slot * stride_ko)[None, :] + offs_d[:, None],
                     mask=n_ok[None, :] & d_ok[:, None], other=0)
         s = _dot(q, _decode_tile(k, KV_QUANT, q.dtype), DOT_F32)  # [BLOCK_M, TILE_N] fp32

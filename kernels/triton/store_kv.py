@@ -129,3 +129,32 @@ def store_kv_kernel(
         _store_rows(v, v_cache_ptr + row[:, None] + offs[None, :], v_scale_ptr + srow, ok,
                     offs, k_shift_ptr, v_divisor_ptr + head * DIM, inv_sqrt_dim, BLOCK_T, DIM,
                     LOG2_DIM, QUANT, ROTATE, False, HAS_V_DIVISOR)
+
+
+@triton.jit
+def store_latent_kernel(
+    x_ptr, cache_ptr, pe_cache_ptr, scale_ptr, slot_ptr, num_tokens,
+    stride_xt, stride_cp, stride_co, stride_pp, stride_po, stride_sp,
+    PAGE_SIZE: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # grid: (cdiv(tokens, BLOCK_T),). MLA latents [tokens, LORA + ROPE] into latent rows:
+    # c_kv as QUANT says (0 the page dtype, 1 e4m3, 2 int8, one scale per token over c_kv),
+    # k_pe through pe_cache_ptr (a float view of the row's tail: bf16 for 1-byte pages) as is.
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    ok = slot >= 0
+    slot = tl.where(ok, slot, 0)
+    page, off = slot // PAGE_SIZE, slot % PAGE_SIZE
+    offs_l = tl.arange(0, LORA)
+    offs_r = tl.arange(0, ROPE)
+    x_rows = x_ptr + tok[:, None] * stride_xt
+    c_kv = tl.load(x_rows + offs_l[None, :], mask=ok[:, None], other=0.0)
+    row = page * stride_cp + off * stride_co
+    _store_rows(c_kv, cache_ptr + row[:, None] + offs_l[None, :],
+                scale_ptr + page * stride_sp + off, ok, offs_l, x_ptr, x_ptr, 1.0, BLOCK_T,
+                LORA, 0, QUANT, False, False, False)
+    pe = tl.load(x_rows + LORA + offs_r[None, :], mask=ok[:, None], other=0.0)
+    pe_row = page * stride_pp + off * stride_po
+    _store_rows(pe, pe_cache_ptr + pe_row[:, None] + offs_r[None, :], scale_ptr, ok, offs_r,
+                x_ptr, x_ptr, 1.0, BLOCK_T, ROPE, 0, 0, False, False, False)

@@ -29,6 +29,7 @@ echo "## kernel tests, native (TRITON_INTERPRET unset)"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_paged_attention.py \
     tests/kernels/test_triton_store_kv.py tests/kernels/test_triton_verify_pages.py \
     tests/kernels/test_triton_fused_moe.py tests/kernels/test_triton_mla_decode.py \
+    tests/kernels/test_triton_latent.py \
     tests/kernels/test_triton_w4a16.py tests/kernels/test_triton_fp8_block.py \
     tests/kernels/test_triton_weight_ops.py || status=1
 echo

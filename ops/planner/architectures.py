@@ -170,8 +170,8 @@ def mla_moe(cfg: Config, arch: str, mtp_layers: int | None) -> ModelSpec:
                                       indexer_layers)
     if mtp:
         tensors += blocks.mtp_extras(hidden, mtp)
-    kv = KVLayout("mla", layers + mtp, latent_dim=kv_lora + rope, indexer_layers=indexer_layers,
-                  indexer_dim=index_dim)
+    kv = KVLayout("mla", layers + mtp, latent_dim=kv_lora + rope, rope_dim=rope,
+                  indexer_layers=indexer_layers, indexer_dim=index_dim)
     return ModelSpec(arch, "mla", hidden, vocab, layers, mtp, heads, kv, tuple(tensors))
 
 

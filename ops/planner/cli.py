@@ -44,6 +44,9 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=float,
                    help="a fixed KV pool per device in GiB (ignores device memory and reserve)")
     p.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
+    p.add_argument("--mla-rope", choices=["bf16", "shared"],
+                   help="MLA latents in fp8/int8 KV: the RoPE part bf16 in the row (default, "
+                        "tessera's pages) or quantized under the row's one scale")
     p.add_argument("--mtp-layers", type=int,
                    help="MTP layers to count (default: num_nextn_predict_layers of the config)")
 
@@ -53,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "int4_targets": "routed_experts", "int4_group_size": 32, "int4_scheme": "sym",
     "int4_rest": "bf16", "kv_cache_dtype": "bf16", "reserve_fraction": DEFAULT_RESERVE_FRACTION,
     "reserve_gb": None, "kv_cache_gb": None, "page_size": 16, "mtp_layers": None,
+    "mla_rope": "bf16",
 }
 
 
@@ -97,7 +101,8 @@ def plan_config(opts: dict[str, Any]) -> PlanConfig:
         int4_symmetric=opts["int4_scheme"] == "sym", kv_cache_dtype=opts["kv_cache_dtype"],
         tp=opts["tp"], attention=opts["attention"], device_memory_bytes=gib("device_memory_gb"),
         reserve_fraction=opts["reserve_fraction"], reserve_bytes=gib("reserve_gb"),
-        kv_cache_bytes=gib("kv_cache_gb"), page_size=opts["page_size"])
+        kv_cache_bytes=gib("kv_cache_gb"), page_size=opts["page_size"],
+        mla_rope=opts["mla_rope"])
 
 
 def read_config(path: str) -> dict[str, Any]:

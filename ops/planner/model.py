@@ -59,6 +59,7 @@ class KVLayout:
     num_kv_heads: int = 0
     head_dim: int = 0
     latent_dim: int = 0
+    rope_dim: int = 0  # MLA: the latent's RoPE part, kept bf16 in 1-byte formats
     indexer_layers: int = 0
     indexer_dim: int = 0
 

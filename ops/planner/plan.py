@@ -47,6 +47,10 @@ class PlanConfig:
     reserve_bytes: int | None = None  # overrides reserve_fraction
     kv_cache_bytes: int | None = None  # a fixed KV budget per device; overrides device memory
     page_size: int = 16
+    # MLA latents in fp8 / int8: "bf16" keeps the RoPE part bf16 in the row (what tessera's
+    # pages hold, kernels/latent.py); "shared" quantizes it under the row's one scale (the
+    # reference's capacity figures imply it; kept to recover them)
+    mla_rope: str = "bf16"
 
     def __post_init__(self) -> None:
         WeightFormat(self.weights, self.int4_group_size, self.int4_symmetric)
@@ -66,6 +70,9 @@ class PlanConfig:
         if self.attention not in ("tp", "dp"):
             raise InvalidArgument(f"attention must be 'tp' or 'dp', got {self.attention!r}",
                                   field="attention")
+        if self.mla_rope not in ("bf16", "shared"):
+            raise InvalidArgument(f"mla_rope must be 'bf16' or 'shared', got {self.mla_rope!r}",
+                                  field="mla_rope")
         if self.page_size < 1:
             raise InvalidArgument(f"page_size must be positive, got {self.page_size}",
                                   field="page_size")
@@ -175,7 +182,8 @@ def kv_bytes_per_token(spec: ModelSpec, config: PlanConfig) -> tuple[int, int]:
     if kv.kind == "mla":
         # NOTE: every TP rank attends with all its heads over the same latent, so the latent
         # (and the indexer key) is stored whole on every rank: per device == per model.
-        one = (kv.num_layers * fmt.latent_bytes_per_token_layer(kv.latent_dim)
+        rope = kv.rope_dim if config.mla_rope == "bf16" else 0
+        one = (kv.num_layers * fmt.latent_bytes_per_token_layer(kv.latent_dim, rope)
                + kv.indexer_layers * fmt.latent_bytes_per_token_layer(kv.indexer_dim))
         return one, one
     full = kv.num_layers * fmt.gqa_bytes_per_token_layer(kv.num_kv_heads, kv.head_dim)
@@ -246,6 +254,9 @@ def assumptions(spec: ModelSpec, config: PlanConfig, reserve: int | None) -> lis
         unit = "token" if spec.kv.kind == "mla" else "(token, kv head)"
         code = "e4m3" if config.kv_cache_dtype == "fp8" else "symmetric"
         out.append(f"{config.kv_cache_dtype} {code} KV carries one bf16 scale per {unit}")
+        if spec.kv.kind == "mla" and config.mla_rope == "bf16":
+            out.append(f"the latent's {spec.kv.rope_dim} RoPE values stay bf16 (2 B each), "
+                       "outside the scale; --mla-rope shared quantizes them with the rest")
     if config.tp > 1:
         out.append(f"TP {config.tp}: q/k/v/o, MLP, experts, embeddings and lm_head split; "
                    "norms, router, q_a_proj, kv_a_proj_with_mqa, DSA indexer and MTP eh_proj "

@@ -99,6 +99,22 @@ class AttentionBackend(abc.ABC):
                scale: float) -> torch.Tensor:
         """q: [T, heads, dim] (after this step's K/V are stored) -> [T, heads * dim]."""
 
+    def store_latent(self, meta: AttentionMetadata, kv: LayerKV, latent: torch.Tensor) -> None:
+        """MLA: latent [T, 1, latent_dim] (normalised c_kv, then roped k_pe) written to the
+        layer's latent pages at `meta.slot_mapping` (`kernels/latent.py` has the row)."""
+        from runtime.attention.latent import store_latent_rows
+
+        store_latent_rows(meta, kv, latent)
+
+    def attend_latent(self, meta: AttentionMetadata, kv: LayerKV, q: torch.Tensor,
+                      scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """MLA in the absorbed form: q [T, heads, latent_dim] (q_nope through W_UK, then q_pe),
+        after this step's latents are stored -> [T, heads, kv_lora_rank], softmax(scale *
+        q . latent) @ c_kv. The default runs the step's groups through the paged ops."""
+        from runtime.attention.latent import attend_latent_groups
+
+        return attend_latent_groups(meta, kv, q, scale, kv_lora_rank)
+
     def run_fused_decode(self, model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata, kv_cache: object) -> torch.Tensor | None:
         """The last layer's hidden states [T, hidden] for an all-decode step run in one call,

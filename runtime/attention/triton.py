@@ -2,8 +2,9 @@
 step. One store launch per layer (quantizing, rotating and smoothing 1-byte pages as the CPU
 path does), one varlen paged-attention launch per layer for every decode and prefill/extend
 chunk of the batch (`cu_seqlens_q`, one block table), split-K for all-decode steps with the
-split count of the batch's bucket, and the tag check as its own batched device pass before the
-step (`triton_tags.DeviceTagIntegrityTracker`).
+split count of the batch's bucket (MLA latent pages: the latent store and the MLA decode
+kernel, one row per query token, `kernels/triton/launch_mla.py`), and the tag check as its
+own batched device pass before the step (`triton_tags.DeviceTagIntegrityTracker`).
 
 Runs natively on CUDA, and on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, how
 the CPU suite tests it). Needs the `cuda` extra (triton).
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton import launch
+from kernels.triton import launch, launch_mla
 from kernels.triton.cuda_ops import decode_splits
 from runtime.attention.backend import AttentionBackend, BatchLayout
 from runtime.attention.pure_torch import TorchAttentionBackend
@@ -120,6 +121,28 @@ class TritonAttentionBackend(AttentionBackend):
             q.contiguous(), kv.k, kv.v, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
             scale, kv.k_scale, kv.v_scale, kv.hadamard, kv.k_channel_scale,
             kv.v_channel_scale, num_splits=splits, seq_valid=meta.seq_valid,
+            max_seqlen_q=meta.max_seqlen_q)
+
+    def store_latent(self, meta: AttentionMetadata, kv: LayerKV, latent: torch.Tensor) -> None:
+        if not isinstance(meta, TritonMetadata):
+            self.reference.store_latent(meta, kv, latent)
+            return
+        launch_mla.store_latent(latent.contiguous(), kv.k, meta.slot_mapping, kv.k_scale)
+
+    def attend_latent(self, meta: AttentionMetadata, kv: LayerKV, q: torch.Tensor,
+                      scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """One MLA decode row per query token (`launch_mla.mla_attention`): decode, prefill
+        and extend in one launch, absorbed as on CPU; split-K only for all-decode steps, by
+        the bucket (one latent "KV head")."""
+        if not isinstance(meta, TritonMetadata):
+            return self.reference.attend_latent(meta, kv, q, scale, kv_lora_rank)
+        assert meta.block_table is not None and meta.seq_lens is not None
+        assert meta.cu_seqlens_q is not None
+        all_decode = meta.max_seqlen_q == 1
+        splits = decode_splits(meta.batch_bucket, 1, q.device) if all_decode else 1
+        return launch_mla.mla_attention(
+            q.contiguous(), kv.k, kv.k_scale, meta.block_table, meta.seq_lens,
+            meta.cu_seqlens_q, scale, kv_lora_rank, num_splits=splits,
             max_seqlen_q=meta.max_seqlen_q)
 
     def integrity_tracker(self, name: str, pool: PagePool) -> object:

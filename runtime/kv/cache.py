@@ -19,8 +19,13 @@ MLA latent pages are never rotated.
 MLA models (DeepSeek-V3) cache one latent vector per token and layer (kv_lora_rank normalised
 latent, then the roped qk_rope_head_dim key part) instead of K and V per head: the same layout
 with one "head" and no V tensor, [1, num_pages, page_size, latent_dim], the layout FlashMLA-style
-GPU kernels read (values are the latent's first kv_lora_rank elements). FP8 pages, scales (one
-per token; int8 as fp8), tags and the prefix cache apply to it unchanged.
+GPU kernels read (values are the latent's first kv_lora_rank elements). In the 1-byte formats
+(fp8, int8) a latent row is FlashMLA's: kv_lora_rank codes with one bf16 scale per token (the
+scale tensor beside the page, as for K/V), then the roped k_pe part unquantized, as bf16 bytes in
+the same row, so [1, num_pages, page_size, kv_lora_rank + 2 * rope] of uint8 / int8 (640 bytes
+for DeepSeek-V3, 642 with the scale): one scale over all 576 values lost the RoPE scores
+(docs/DESIGN.md, "MLA decode"). `kernels/latent.py` writes and reads that row. Tags and the
+prefix cache apply to latent pages unchanged.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class KVCacheSpec:
     page_size: int
     format: KVFormat
     latent: bool = False  # MLA: one latent vector per token (num_kv_heads 1), no V
+    rope_dim: int = 0  # MLA: the latent's last rope_dim elements (k_pe), bf16 in 1-byte rows
 
     @classmethod
     def for_model(cls, config: ModelConfig, page_size: int,
@@ -73,7 +79,8 @@ class KVCacheSpec:
         if not isinstance(fmt, KVFormat):
             fmt = KVFormat.parse(canonical_name(str(fmt)))
         if config.kv_latent_dim is not None:
-            return cls(config.num_hidden_layers, 1, config.kv_latent_dim, page_size, fmt, True)
+            return cls(config.num_hidden_layers, 1, config.kv_latent_dim, page_size, fmt, True,
+                       config.kv_rope_dim or 0)
         return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                    page_size, fmt)
 
@@ -102,10 +109,19 @@ class KVCacheSpec:
         return self.quantized and quantized_pages_rotated(self.head_dim, self.latent)
 
     @property
+    def row_width(self) -> int:
+        """Elements of the storage dtype in one page row: head_dim, except 1-byte MLA latent
+        rows, whose RoPE part is bf16 bytes (kv_lora_rank + 2 * rope_dim)."""
+        if self.latent and self.quantized:
+            return self.head_dim + self.rope_dim
+        return self.head_dim
+
+    @property
     def bytes_per_token(self) -> int:
         """K and V (or the MLA latent) of one token in every layer, scales included."""
         if self.latent:
-            return self.num_layers * self.format.latent_bytes_per_token_layer(self.head_dim)
+            return self.num_layers * self.format.latent_bytes_per_token_layer(self.head_dim,
+                                                                              self.rope_dim)
         per_layer = self.format.gqa_bytes_per_token_layer(self.num_kv_heads, self.head_dim)
         return self.num_layers * per_layer
 
@@ -132,7 +148,8 @@ class LayerKV(NamedTuple):
     """One layer's view of the cache. Scales are None unless the pages are fp8 or int8;
     `hadamard` says the pages hold rotated vectors (pass it to the attention and store kernels)."""
 
-    k: torch.Tensor  # [kv_heads, pages, page_size, head_dim]; MLA: [1, pages, page_size, latent]
+    # [kv_heads, pages, page_size, head_dim]; MLA: [1, pages, page_size, row_width]
+    k: torch.Tensor
     v: torch.Tensor | None  # None for MLA latent pages
     k_scale: torch.Tensor | None  # [kv_heads, pages, page_size] bf16
     v_scale: torch.Tensor | None
@@ -150,7 +167,7 @@ class KVCache:
         self.num_pages = num_pages
         self.budget_bytes = spec.bytes_per_page * num_pages  # what sized it (see `within`)
         zeros = platform_for(device).zeros
-        shape = (spec.num_layers, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
+        shape = (spec.num_layers, spec.num_kv_heads, num_pages, spec.page_size, spec.row_width)
         self.k = zeros(shape, spec.storage_dtype, device)
         self.v: torch.Tensor | None = None
         if not spec.latent:

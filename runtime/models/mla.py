@@ -9,10 +9,11 @@ vLLM's and SGLang's MLA decode): kv_b_proj is split per head into W_UK [nope, kv
 [v, kv_lora]; each query's nope part is projected into the latent space (q_nope @ W_UK), so a
 score is q_latent . c_kv + q_pe . k_pe, i.e. a dot product with the cached vector, and the
 output is (probs @ c_kv) @ W_UV^T. The cache is never re-expanded per head. It is multi-query
-attention with one "KV head" of dimension kv_lora_rank + qk_rope_head_dim, so the paged
-attention kernels (FP8 pages and scales included) run on it unchanged; the value read is the
-whole cached vector and its last qk_rope_head_dim outputs are dropped (~11% extra work in
-DeepSeek-V3's shapes, which a dedicated kernel would save).
+attention with one "KV head" of dimension kv_lora_rank + qk_rope_head_dim, run by the step's
+attention backend (`store_latent`, `attend_latent`): on `cpu` / `torch` through the paged
+attention ops (`runtime/attention/latent.py`; the value read is the whole cached vector and its
+last qk_rope_head_dim outputs are dropped), on `triton` through the MLA decode kernel
+(`kernels/triton/mla_decode.py`, one query row per token, prefill included).
 
 Prefill: absorbed too. It does more FLOPs per token than re-expanding K/V for the chunk's
 context (vLLM and SGLang re-expand for long prompts, where prefill is compute-bound), but it is
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import paged_decode_attention, paged_prefill_attention, store_latent
+from runtime.attention import backend_of
 from runtime.config import ModelConfig
 from runtime.context import get_forward_context
 from runtime.errors import ModelLoadError
@@ -86,20 +87,10 @@ class LatentPagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
-        meta = ctx.attn
+        backend = backend_of(ctx)
         kv = ctx.kv_cache.layer(self.layer_index)  # type: ignore[attr-defined]
-        store_latent(latent, kv.k, meta.slot_mapping, kv.k_scale)
-        parts = []
-        for g in meta.decodes:
-            parts.append(paged_decode_attention(q[g.start : g.end], kv.k, kv.k, g.page_table,
-                                                g.context_lens, self.scale, kv.k_scale,
-                                                kv.k_scale))
-        for p in meta.prefills:
-            parts.append(paged_prefill_attention(q[p.start : p.end], kv.k, kv.k, p.page_ids,
-                                                 p.context_len, p.mask, self.scale,
-                                                 kv.k_scale, kv.k_scale))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return out.view(q.shape)[..., : self.kv_lora_rank]
+        backend.store_latent(ctx.attn, kv, latent)
+        return backend.attend_latent(ctx.attn, kv, q, self.scale, self.kv_lora_rank)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

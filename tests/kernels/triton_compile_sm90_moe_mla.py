@@ -1,7 +1,7 @@
-"""Compile every fused-MoE and MLA-decode kernel variant the launchers use for sm_90 without a
-GPU (as tests/kernels/triton_compile_sm90.py does for the paged-KV kernels). Integer arguments
-equal to 1 are specialised by Triton (passed as constexprs): one variant of each kernel compiles
-that way. Run as a script (TRITON_INTERPRET unset); one line per variant."""
+"""Compile every fused-MoE, MLA-decode and latent-store kernel variant the launchers use for
+sm_90 without a GPU (as tests/kernels/triton_compile_sm90.py does for the paged-KV kernels).
+Integer arguments equal to 1 are specialised by Triton (passed as constexprs): one variant of
+each kernel compiles that way. Run as a script (TRITON_INTERPRET unset); one line per variant."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-from kernels.triton import fused_moe, mla_decode
+from kernels.triton import fused_moe, mla_decode, store_kv
 from tests.kernels.triton_compile_sm90 import _build
 
 PTR = {"bf16": "*bf16", "fp8": "*u8", "int8": "*i8"}
@@ -46,6 +46,17 @@ def mla(kv: str, pe: str, split: bool, ones: tuple[str, ...] = ()) -> None:
         DOT_F32=False), 4)
 
 
+def latent_store(cache: str, quant: int) -> None:
+    # 1-byte rows: codes through the cache pointer, the RoPE part through its bf16 view
+    pe = "*bf16" if quant else cache
+    names = ["num_tokens", "stride_xt", "stride_cp", "stride_co", "stride_pp", "stride_po",
+             "stride_sp"]
+    _build(store_kv.store_latent_kernel, {
+        "x_ptr": "*bf16", "cache_ptr": cache, "pe_cache_ptr": pe, "scale_ptr": "*u16",
+        "slot_ptr": "*i64", **{n: "i32" for n in names}},
+        dict(PAGE_SIZE=64, LORA=512, ROPE=64, QUANT=quant, BLOCK_T=16), 4)
+
+
 def main() -> int:
     for fmt in (0, 1, 2, 3):
         for swiglu, block_m in ((True, 16), (False, 64)):
@@ -59,6 +70,9 @@ def main() -> int:
         print("ok mla", kv, pe, split, flush=True)
     mla("fp8", "fp8", True, ones=("num_heads",))
     print("ok mla ones", flush=True)
+    for cache, quant in (("*bf16", 0), ("*u8", 1), ("*i8", 2)):
+        latent_store(cache, quant)
+        print("ok latent store", cache, quant, flush=True)
     return 0
 
 

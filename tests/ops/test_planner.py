@@ -105,6 +105,16 @@ def test_kv_1_byte_formats_cost_one_bf16_scale_per_token_and_head(fmt):
     assert KVFormat(fmt).latent_bytes_per_token_layer(576) == 576 + 2
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_mla_latents_in_1_byte_formats_keep_their_rope_part_in_bf16(fmt):
+    # DeepSeek-V3: 512 codes + one bf16 scale + 64 bf16 RoPE elements (FlashMLA's 656 B has
+    # four fp32 scales where we keep one bf16)
+    assert KVFormat(fmt).latent_bytes_per_token_layer(576, rope_dim=64) == 512 + 2 + 128 == 642
+    assert KVFormat("bf16").latent_bytes_per_token_layer(576, rope_dim=64) == 576 * 2
+    with pytest.raises(InvalidArgument):
+        KVFormat(fmt).latent_bytes_per_token_layer(576, rope_dim=576)
+
+
 def test_unknown_formats_are_refused_by_name():
     with pytest.raises(InvalidArgument) as e:
         WeightFormat("int3")
@@ -132,7 +142,7 @@ def test_json_has_the_fields_and_a_breakdown_that_adds_up():
     assert experts["formats"] == ["int4-g32"] and experts["scale_bytes"] > 0
     assert experts["total_bytes"] == experts["data_bytes"] + experts["scale_bytes"]
     assert breakdown["attention"]["formats"] == ["bf16"]
-    assert out["kv_bytes_per_token"] == 79 * (576 + 2) + 79 * (128 + 2)
+    assert out["kv_bytes_per_token"] == 79 * (512 + 2 + 64 * 2) + 79 * (128 + 2)
     assert out["kv_capacity_tokens"] % 16 == 0 and out["fits"] is True
 
 
@@ -220,7 +230,10 @@ def test_glm5_checkpoint_sizes_match_the_reference():
 
 
 def test_kv_capacities_match_the_reference_with_one_shared_reserve():
-    common = ["--device-memory-gb", "141", "--tp", "8", "--weights", "int4", "--reserve-gb", "24"]
+    # the reference's figures imply a latent row under one scale (--mla-rope shared), not
+    # tessera's bf16 RoPE part (see the next test)
+    common = ["--device-memory-gb", "141", "--tp", "8", "--weights", "int4", "--reserve-gb", "24",
+              "--mla-rope", "shared"]
     glm = plan_json(str(CONFIGS / "glm5.json"), *common, "--kv-cache-dtype", "fp8")
     kimi_bf16 = plan_json(str(CONFIGS / "kimi_k2.json"), *common, "--kv-cache-dtype", "bf16")
     kimi_fp8 = plan_json(str(CONFIGS / "kimi_k2.json"), *common, "--kv-cache-dtype", "fp8")
@@ -229,6 +242,18 @@ def test_kv_capacities_match_the_reference_with_one_shared_reserve():
     assert within(kimi_fp8["kv_capacity_tokens"], 1.37e6, 0.05)
     assert within(kimi_fp8["kv_capacity_tokens"] / kimi_bf16["kv_capacity_tokens"],
                   1.37e6 / 686e3, 0.05)
+
+
+def test_tesseras_bf16_rope_part_costs_kimi_k2_a_tenth_of_its_fp8_kv_capacity():
+    common = ["--device-memory-gb", "141", "--tp", "8", "--weights", "int4", "--reserve-gb", "24",
+              "--kv-cache-dtype", "fp8"]
+    ours = plan_json(str(CONFIGS / "kimi_k2.json"), *common)
+    shared = plan_json(str(CONFIGS / "kimi_k2.json"), *common, "--mla-rope", "shared")
+    layers = 61
+    assert ours["kv_bytes_per_token"] == layers * (512 + 2 + 64 * 2)
+    assert shared["kv_bytes_per_token"] == layers * (576 + 2)
+    assert within(ours["kv_capacity_tokens"] / shared["kv_capacity_tokens"], 578 / 642, 0.01)
+    assert any("RoPE values stay bf16" in a for a in ours["assumptions"])
 
 
 # -- bad input names the field ------------------------------------------------------------------
