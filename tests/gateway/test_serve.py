@@ -25,7 +25,7 @@ from runtime.threads import share_of_cores
 SAMPLES = {"model": "/models/x", "dtype": "bfloat16", "kv-cache-bytes": "123456",
            "max-model-len": "777", "max-num-seqs": "5", "max-num-batched-tokens": "256",
            "tenant-page-quota": "0.5", "integrity": "off", "attention-backend": "torch",
-           "device": "cpu",
+           "device": "cpu", "decode-graphs": "eager",
            "kv-cache-dtype": "fp8",
            "prefill-kv-cache-dtype": "bf16", "prefill-weights": "fp8",
            "decode-weights": "int4", "weight-group-size": "64", "serving-config": "/x.json",
