@@ -14,12 +14,13 @@
 // rounding residual r = x - dx xq quantized the same way (dx2 = amax(r) / 127 <= dx / 254), so
 // x is carried to ~1.6e-5 of its block's amax instead of ~4e-3; every dot runs twice over the
 // weights unpacked once.
-// x's quantized copy is laid out for the weights it meets (kernel-private, rebuilt per call):
-// per quad of blocks, 128 bytes, the first halves (weights 0..15) of the 4 blocks, then their
-// second halves. Q4 weights need only a mask (low nibbles = first halves) and a shift + mask
-// (high nibbles) of one 64-byte load to meet it; Q8 weights two 8-byte-lane permutes of two
-// loads. Lane l of each int32 dot then belongs to block 4 u + l / 4, four lanes a block, so
-// one float convert + scale serves 4 blocks.
+// Register tiles in oneDNN's style, one numeric path at every row count (batch invariance):
+// x is quantized once per call; 16 weight rows at a time are unpacked once into a panel (L1),
+// transposed so that lane r of a vector holds 4 u8 weights of row r, and every row of x meets
+// it in tiles of 8, 4, 2 or 1 rows (its 4-byte groups broadcast to all lanes), so each int32
+// lane sums a whole block of one output. Each output then takes the same float steps per block,
+// in block order, whatever the tile, the row's place or the row count (see `tile`); threads
+// split the weight rows only.
 // Built only where the compiler targets AVX-512 VNNI; `int8_kernels()` says whether it did.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -56,20 +57,17 @@ void check_i8_shapes(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 }
 
 #ifdef TESSERA_I8
-// x quantized for both weight kinds, in one layout: per quad of blocks, 128 bytes, the first
-// halves (weights 0..15) of the 4 blocks, then their second halves, so that two 64-byte
-// operands meet 4 weight blocks and lane l of the int32 dot belongs to block 4 u + l / 4.
-// Rows are padded to whole quads (and `sx` to chunks of 16 blocks) with zeros: padding
-// multiplies nothing, its int8 values and scales being 0.
+// x quantized once per call, block-major so that one block of a tile's rows is one stretch of
+// memory: per block, per row, per limb 32 int8 in natural order; per block and row its dx,
+// Q8's correction -128 sum(xq) (the weights meet vpdpbusd as w + 128) and Q4's offset factor
+// sx = dx sum(xq) (+ dx2 sum(xq2)).
 struct QuantX {
-  int64_t nb = 0, quads = 0, chunks = 0;  // per row: blocks, quads, chunks of 16 blocks
-  std::vector<int8_t> q, q2;   // [M, quads * 128] (q2: the second limb, when limbs == 2)
-  std::vector<float> dxe, dxe2;  // [M, quads * 16]: each dot lane's block dx (dx2)
-  std::vector<float> sx;       // Q4: [M, chunks * 16] dx * sum(xq) (+ dx2 * sum(xq2)) per block
-  std::vector<int32_t> corr, corr2;  // Q8: [M, quads * 16] -128 * sum of the 8 xq a lane meets
-  int64_t q_stride() const { return quads * 128; }
-  int64_t lane_stride() const { return quads * 16; }
-  int64_t sx_stride() const { return chunks * 16; }
+  int64_t nb = 0, M = 0, L = 1;
+  std::vector<int8_t> q;         // [nb, M, L, 32]
+  std::vector<float> dx[2];      // [nb, M] per limb
+  std::vector<int32_t> corr[2];  // Q8: [nb, M] per limb
+  std::vector<float> sx;         // Q4: [nb, M]
+  const int8_t* block(int64_t b, int64_t i) const { return q.data() + (b * M + i) * L * kBlock; }
 };
 
 // Quantize one block of 32 floats into xq (natural order) and return dx; 127 / amax as the
@@ -99,61 +97,48 @@ inline void block_residual(const float* x, const int8_t* xq, float dx, float* r)
   }
 }
 
-// One limb's block into the quad layout, its lanes' dx, and its Q8 lane corrections.
-inline int32_t place_block(const int8_t* blk, float dx, int64_t b, bool q8, int8_t* q,
-                           float* dxe, int32_t* corr) {
-  const int64_t quad = b / 4, bi = b % 4;
-  std::copy(blk, blk + 16, q + quad * 128 + bi * 16);
-  std::copy(blk + 16, blk + 32, q + quad * 128 + 64 + bi * 16);
-  for (int l = 0; l < 4; ++l) dxe[b * 4 + l] = dx;
-  if (q8) {
-    for (int l = 0; l < 4; ++l) {
-      int32_t s = 0;
-      for (int j = 0; j < 4; ++j) s += blk[4 * l + j] + blk[16 + 4 * l + j];
-      corr[b * 4 + l] = -128 * s;
-    }
-  }
-  int32_t sum = 0;
-  for (int j = 0; j < kBlock; ++j) sum += blk[j];
-  return sum;
+inline int32_t block_sum(const int8_t* q) {
+  int32_t s = 0;
+  for (int j = 0; j < kBlock; ++j) s += q[j];
+  return s;
 }
 
 void quantize_x(const float* x, int64_t M, int64_t K, bool q8, int limbs, QuantX& out) {
-  out.nb = K / kBlock;
-  out.quads = (out.nb + 3) / 4;
-  out.chunks = (out.nb + 15) / 16;
-  const int64_t lanes = M * out.lane_stride();
-  out.q.assign(M * out.q_stride(), 0);
-  out.dxe.assign(lanes, 0.0f);
-  out.q2.assign(limbs == 2 ? M * out.q_stride() : 0, 0);
-  out.dxe2.assign(limbs == 2 ? lanes : 0, 0.0f);
-  out.corr.assign(q8 ? lanes : 0, 0);
-  out.corr2.assign(q8 && limbs == 2 ? lanes : 0, 0);
-  out.sx.assign(q8 ? 0 : M * out.sx_stride(), 0.0f);
-  int8_t blk[kBlock], blk2[kBlock];
+  const int64_t nb = K / kBlock;
+  out.nb = nb;
+  out.M = M;
+  out.L = limbs;
+  out.q.resize(nb * M * limbs * kBlock);
+  for (int l = 0; l < limbs; ++l) {
+    out.dx[l].resize(M * nb);
+    if (q8) out.corr[l].resize(M * nb);
+  }
+  if (!q8) out.sx.resize(M * nb);
   float residual[kBlock];
   for (int64_t i = 0; i < M; ++i) {
-    const int64_t qi = i * out.q_stride(), li = i * out.lane_stride();
-    for (int64_t b = 0; b < out.nb; ++b) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t s = b * M + i;
       const float* xb = x + i * K + b * kBlock;
-      const float dx = quantize_block(xb, blk);
-      const int32_t sum = place_block(blk, dx, b, q8, out.q.data() + qi, out.dxe.data() + li,
-                                      q8 ? out.corr.data() + li : nullptr);
+      int8_t* q = out.q.data() + s * limbs * kBlock;
+      const float dx = quantize_block(xb, q);
+      const int32_t sum = block_sum(q);
+      out.dx[0][s] = dx;
+      if (q8) out.corr[0][s] = -128 * sum;
       float sx = dx * static_cast<float>(sum);
       if (limbs == 2) {
-        block_residual(xb, blk, dx, residual);
-        const float dx2 = quantize_block(residual, blk2);
-        const int32_t sum2 =
-            place_block(blk2, dx2, b, q8, out.q2.data() + qi, out.dxe2.data() + li,
-                        q8 ? out.corr2.data() + li : nullptr);
+        block_residual(xb, q, dx, residual);
+        const float dx2 = quantize_block(residual, q + kBlock);
+        const int32_t sum2 = block_sum(q + kBlock);
+        out.dx[1][s] = dx2;
+        if (q8) out.corr[1][s] = -128 * sum2;
         sx += dx2 * static_cast<float>(sum2);
       }
-      if (!q8) out.sx[i * out.sx_stride() + b] = sx;
+      if (!q8) out.sx[s] = sx;
     }
   }
 }
 
-inline __m512 load_f16x16(const c10::Half* p, int n) {
+inline __m512 load_f16x16(const c10::Half* p, int64_t n) {
   const __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
 }
@@ -163,129 +148,182 @@ inline __m512i load_bytes(const void* p, int64_t n) {  // n <= 64 bytes, the res
   return _mm512_maskz_loadu_epi8((1ULL << n) - 1, p);
 }
 
-// Q4 planes: a quad of weight blocks is 64 contiguous bytes; low nibbles are the blocks'
-// first halves, high nibbles their second halves: x's layout as it is.
+// In place: lane r of v[c] <- lane c of v[r] (16 x 16 dwords).
+inline void transpose16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // v[4i + k], 128-bit lane q: rows 4i..4i+3 of column 4q + k
+    v[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i a = _mm512_shuffle_i32x4(v[k], v[4 + k], 0x44);
+    const __m512i b = _mm512_shuffle_i32x4(v[8 + k], v[12 + k], 0x44);
+    const __m512i c = _mm512_shuffle_i32x4(v[k], v[4 + k], 0xEE);
+    const __m512i e = _mm512_shuffle_i32x4(v[8 + k], v[12 + k], 0xEE);
+    t[k] = _mm512_shuffle_i32x4(a, b, 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(a, b, 0xDD);
+    t[8 + k] = _mm512_shuffle_i32x4(c, e, 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(c, e, 0xDD);
+  }
+  for (int c = 0; c < 16; ++c) v[c] = t[c];
+}
+
+// kLanes weight rows unpacked once for every row of x: lane r of each vector is row n0 + r.
+constexpr int kLanes = 16;
+struct Panel {
+  std::vector<int32_t> w;   // [nb][8][16]: dword j of block b, 4 u8 weights (Q8: w + 128)
+  std::vector<float> d, m;  // [nb][16]: the blocks' scales (Q4: offsets)
+};
+
+// Scales [N, nb] fp16 of rows n0.. (nr of them) into dst [nb][16] float.
+inline void panel_scales(const c10::Half* s, int64_t nb, int64_t n0, int nr, float* dst) {
+  for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+    const int64_t cb = std::min<int64_t>(16, nb - b0);
+    __m512i v[16];
+    for (int r = 0; r < 16; ++r)
+      v[r] = r < nr ? _mm512_castps_si512(load_f16x16(s + (n0 + r) * nb + b0, cb))
+                    : _mm512_setzero_si512();
+    transpose16(v);
+    for (int64_t c = 0; c < cb; ++c) _mm512_storeu_si512(dst + (b0 + c) * kLanes, v[c]);
+  }
+}
+
+// Q4 planes: a row's quad of blocks is 64 contiguous bytes (16 a block; byte j holds weight j
+// in its low nibble, weight j + 16 in its high one).
 struct Q4Planes {
   static constexpr bool kQ8 = false;
   const uint8_t* qs;
   const c10::Half* d;
   const c10::Half* m;
   int64_t nb;
-  void quad(int64_t n, int64_t b, __m512i& lo, __m512i& hi) const {
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(qs + n * nb * 16); }
+  int64_t row_bytes() const { return nb * 16; }
+  void unpack(int64_t n0, int nr, Panel& p) const {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i v = load_bytes(qs + (n * nb + b) * 16, std::min<int64_t>(4, nb - b) * 16);
-    lo = _mm512_and_si512(v, low4);
-    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+      const int64_t bytes = std::min<int64_t>(4, nb - b0) * 16;
+      __m512i v[16];
+      for (int r = 0; r < 16; ++r)
+        v[r] = r < nr ? load_bytes(qs + ((n0 + r) * nb + b0) * 16, bytes) : _mm512_setzero_si512();
+      transpose16(v);  // v[c]: dword c % 4 of block b0 + c / 4
+      for (int c = 0; c < 16 && b0 + c / 4 < nb; ++c) {
+        int32_t* dst = p.w.data() + ((b0 + c / 4) * 8 + c % 4) * kLanes;
+        _mm512_storeu_si512(dst, _mm512_and_si512(v[c], low4));
+        _mm512_storeu_si512(dst + 4 * kLanes, _mm512_and_si512(_mm512_srli_epi16(v[c], 4), low4));
+      }
+    }
+    panel_scales(d, nb, n0, nr, p.d.data());
+    panel_scales(m, nb, n0, nr, p.m.data());
   }
 };
 
-// Q8 planes: a quad is 128 bytes; its blocks' first and second halves are gathered by
-// 8-byte lanes into two vectors, and flipped to unsigned (w + 128) for vpdpbusd.
+// Q8 planes: a row's pair of blocks is 64 contiguous bytes, flipped to unsigned (w + 128).
 struct Q8Planes {
   static constexpr bool kQ8 = true;
   const int8_t* qs;
   const c10::Half* d;
   const c10::Half* m;  // unused
   int64_t nb;
-  void quad(int64_t n, int64_t b, __m512i& lo, __m512i& hi) const {
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(qs + n * nb * kBlock); }
+  int64_t row_bytes() const { return nb * kBlock; }
+  void unpack(int64_t n0, int nr, Panel& p) const {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    const __m512i first = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13);
-    const __m512i second = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
-    const int64_t bytes = std::min<int64_t>(4, nb - b) * kBlock;
-    const int8_t* p = qs + (n * nb + b) * kBlock;
-    const __m512i v0 = load_bytes(p, std::min<int64_t>(64, bytes));
-    const __m512i v1 = bytes > 64 ? load_bytes(p + 64, bytes - 64) : _mm512_setzero_si512();
-    lo = _mm512_xor_si512(_mm512_permutex2var_epi64(v0, first, v1), flip);
-    hi = _mm512_xor_si512(_mm512_permutex2var_epi64(v0, second, v1), flip);
+    for (int64_t b0 = 0; b0 < nb; b0 += 2) {
+      const int64_t bytes = std::min<int64_t>(2, nb - b0) * kBlock;
+      __m512i v[16];
+      for (int r = 0; r < 16; ++r)
+        v[r] = r < nr ? load_bytes(qs + ((n0 + r) * nb + b0) * kBlock, bytes)
+                      : _mm512_setzero_si512();
+      transpose16(v);  // v[c]: dword c % 8 of block b0 + c / 8
+      for (int c = 0; c < 16 && b0 + c / 8 < nb; ++c)
+        _mm512_storeu_si512(p.w.data() + ((b0 + c / 8) * 8 + c % 8) * kLanes,
+                            _mm512_xor_si512(v[c], flip));
+    }
+    panel_scales(d, nb, n0, nr, p.d.data());
   }
 };
 
-// MR rows of x from i0 against NR weight rows from n0: y[i, n]; L limbs of x.
-template <typename W, int MR, int NR, int L>
-void tile(const W& w, const QuantX& x, int64_t i0, int64_t n0, float* y, int64_t ldy) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
-  const int64_t nb = w.nb;
-  for (int64_t c = 0; c < x.chunks; ++c) {
-    const int64_t b0 = c * 16;
-    const int cb = static_cast<int>(std::min<int64_t>(16, nb - b0));
-    __m512 dw[NR];
-    for (int r = 0; r < NR; ++r) {
-      const int64_t row = (n0 + r) * nb + b0;
-      dw[r] = load_f16x16(w.d + row, cb);
-      if constexpr (!W::kQ8) {  // the offsets' term: m dx sum(xq) per block
-        const __m512 mv = load_f16x16(w.m + row, cb);
-        for (int i = 0; i < MR; ++i)
-          acc[i][r] = _mm512_fmadd_ps(
-              mv, _mm512_loadu_ps(x.sx.data() + (i0 + i) * x.sx_stride() + b0), acc[i][r]);
-      }
-    }
-    for (int u = 0; u * 4 < cb; ++u) {
-      const int64_t b = b0 + 4 * u;
-      const __m512i idx = _mm512_add_epi32(
-          _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-          _mm512_set1_epi32(4 * u));
-      __m512i lo[NR], hi[NR];
-      __m512 dwe[NR];
-      for (int r = 0; r < NR; ++r) {
-        w.quad(n0 + r, b, lo[r], hi[r]);
-        dwe[r] = _mm512_permutexvar_ps(idx, dw[r]);
-      }
-      for (int i = 0; i < MR; ++i) {
-        const int8_t* xq = x.q.data() + (i0 + i) * x.q_stride() + b * 32;
-        const __m512i xl = _mm512_loadu_si512(xq), xh = _mm512_loadu_si512(xq + 64);
-        const int64_t lane = (i0 + i) * x.lane_stride() + b * 4;
-        const __m512 dxe = _mm512_loadu_ps(x.dxe.data() + lane);
-        __m512i start = _mm512_setzero_si512(), start2 = _mm512_setzero_si512();
-        if constexpr (W::kQ8) start = _mm512_loadu_si512(x.corr.data() + lane);
-        __m512i xl2 = xl, xh2 = xh;
-        __m512 dxe2 = dxe;
-        if constexpr (L == 2) {
-          const int8_t* xq2 = x.q2.data() + (i0 + i) * x.q_stride() + b * 32;
-          xl2 = _mm512_loadu_si512(xq2);
-          xh2 = _mm512_loadu_si512(xq2 + 64);
-          dxe2 = _mm512_loadu_ps(x.dxe2.data() + lane);
-          if constexpr (W::kQ8) start2 = _mm512_loadu_si512(x.corr2.data() + lane);
-        }
-        for (int r = 0; r < NR; ++r) {
-          const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo[r], xl), hi[r], xh);
-          __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s), dxe);
-          if constexpr (L == 2) {
-            const __m512i s2 =
-                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start2, lo[r], xl2), hi[r], xh2);
-            v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), dxe2, v);
-          }
-          acc[i][r] = _mm512_fmadd_ps(v, dwe[r], acc[i][r]);
-        }
-      }
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) y[(i0 + i) * ldy + n0 + r] = _mm512_reduce_add_ps(acc[i][r]);
+// acc += dot(w's u8 quads, the s8 quad at p broadcast to every lane). The broadcast is the
+// instruction's memory operand (GCC emits a separate vpbroadcastd, which costs a vector slot).
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0"
+          : "+v"(acc)
+          : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
 }
 
-template <typename W, int MR, int NR, int L>
-void rows_tile(const W& w, const QuantX& x, int64_t i0, int64_t n_begin, int64_t n_end,
-               float* y, int64_t ldy) {
-  int64_t n = n_begin;
-  for (; n + NR <= n_end; n += NR) tile<W, MR, NR, L>(w, x, i0, n, y, ldy);
-  for (; n < n_end; ++n) tile<W, MR, 1, L>(w, x, i0, n, y, ldy);
+// MR rows of x from i0 against the panel's rows: y[i, n0 + r] for r < nr. Every output is
+// acc = 0, then per block b in order: (Q4) acc = fma(m, sx, acc); v = float(dot1) * dx1;
+// (two limbs) v = fma(float(dot2), dx2, v); acc = fma(v, d, acc): exact integer dots and the
+// same float operations whatever MR, the row's place or the call's row count.
+template <bool kQ8, int MR, int L>
+void tile(const Panel& p, const QuantX& x, int64_t i0, int64_t n0, int nr, float* y,
+          int64_t ldy) {
+  const int64_t nb = x.nb, M = x.M;
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t e = b * M + i0;
+    __m512i s[L][MR];
+    for (int l = 0; l < L; ++l)
+      for (int i = 0; i < MR; ++i) s[l][i] = _mm512_setzero_si512();
+    const int32_t* wb = p.w.data() + b * 8 * kLanes;
+    const int8_t* xb = x.block(b, i0);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i w = _mm512_loadu_si512(wb + j * kLanes);
+      for (int i = 0; i < MR; ++i)
+        for (int l = 0; l < L; ++l)
+          s[l][i] = dpbusd_bcast(s[l][i], w, xb + (i * L + l) * kBlock + 4 * j);
+    }
+    if constexpr (kQ8)  // integers: where the correction joins the dot changes no bit
+      for (int l = 0; l < L; ++l)
+        for (int i = 0; i < MR; ++i)
+          s[l][i] = _mm512_add_epi32(s[l][i], _mm512_set1_epi32(x.corr[l][e + i]));
+    const __m512 dv = _mm512_loadu_ps(p.d.data() + b * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s[0][i]), _mm512_set1_ps(x.dx[0][e + i]));
+      if constexpr (L == 2)
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1][i]), _mm512_set1_ps(x.dx[1][e + i]), v);
+      if constexpr (!kQ8)
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(p.m.data() + b * kLanes),
+                                 _mm512_set1_ps(x.sx[e + i]), acc[i]);
+      acc[i] = _mm512_fmadd_ps(v, dv, acc[i]);
+    }
+  }
+  const __mmask16 mask = nr >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << nr) - 1);
+  for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + (i0 + i) * ldy + n0, mask, acc[i]);
 }
 
 template <typename W, int L>
 void gemm_i8(const W& w, const QuantX& x, int64_t M, int64_t N, int64_t K, float* y) {
   // ~32 KiB of weight bytes per task at least: small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(K, 1));
-  // 48 weight rows per task a thread takes (chunks.h): a multiple of every tile's NR.
-  parallel_chunks(N, 48, grain, [&](int64_t begin, int64_t end) {
-    constexpr int64_t kRowChunk = 16;  // weight rows outer (kept in L1/L2), x rows inner
-    for (int64_t n0 = begin; n0 < end; n0 += kRowChunk) {
-      const int64_t n1 = std::min(end, n0 + kRowChunk);
+  // 64 weight rows per task a thread takes (chunks.h): whole panels but for N's last.
+  parallel_chunks(N, 4 * kLanes, grain, [&](int64_t begin, int64_t end) {
+    thread_local Panel panel;
+    panel.w.resize(w.nb * 8 * kLanes);
+    panel.d.resize(w.nb * kLanes);
+    if (!W::kQ8) panel.m.resize(w.nb * kLanes);
+    for (int64_t n0 = begin; n0 < end; n0 += kLanes) {
+      const int nr = static_cast<int>(std::min<int64_t>(kLanes, end - n0));
+      w.unpack(n0, nr, panel);
+      if (n0 + kLanes < end) {  // the next panel's weights into L2 while this one computes
+        const char* next = w.row(n0 + kLanes);
+        const int64_t bytes = std::min<int64_t>(kLanes, end - n0 - kLanes) * w.row_bytes();
+        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+      }
       int64_t i = 0;
-      for (; i + 4 <= M; i += 4) rows_tile<W, 4, 3, L>(w, x, i, n0, n1, y, N);
-      if (M - i >= 2) { rows_tile<W, 2, 4, L>(w, x, i, n0, n1, y, N); i += 2; }
-      if (M - i >= 1) { rows_tile<W, 1, 4, L>(w, x, i, n0, n1, y, N); i += 1; }
+      for (; i + 8 <= M; i += 8) tile<W::kQ8, 8, L>(panel, x, i, n0, nr, y, N);
+      if (M - i >= 4) { tile<W::kQ8, 4, L>(panel, x, i, n0, nr, y, N); i += 4; }
+      if (M - i >= 2) { tile<W::kQ8, 2, L>(panel, x, i, n0, nr, y, N); i += 2; }
+      if (M - i >= 1) { tile<W::kQ8, 1, L>(panel, x, i, n0, nr, y, N); i += 1; }
     }
   });
 }

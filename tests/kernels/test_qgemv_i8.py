@@ -23,9 +23,12 @@ from kernels.qgemv_i8 import (
 needs_kernels = pytest.mark.skipif(not int8_kernels_available(),
                                    reason="no AVX-512 VNNI here: the twins run alone")
 
-ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 31, 33, 64)  # tiles of 4, 2 and 1 rows and their remainders
-# (N, K): 1..48 blocks a row (part quads and part chunks of 16), N over tiles of 3 and 4 rows
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 31, 33, 64)  # tiles of 8, 4, 2 and 1 rows and their remainders
+# (N, K): 1..48 blocks a row (odd counts, part quads, part chunks of 16 scales), N over panels
+# of 16 weight rows and their ragged ends
 SHAPES = ((1, 32), (3, 96), (7, 160), (64, 64), (13, 544), (129, 576), (50, 1536))
+PANEL_ROWS = (1, 2, 5, 16, 17, 33, 128, 300)  # x rows over every tile height and remainder
+PANEL_SHAPES = ((15, 96), (16, 160), (17, 544), (33, 576), (70, 1536))  # N ragged to 16
 POISON = float("nan")
 
 
@@ -145,3 +148,28 @@ def test_two_limbs_carry_x_to_its_residual_rounding():
     bound = half_step.double() @ wd.abs().double().t()
     assert ((two - exact).abs() <= bound * 1.001 + 1e-5).all()
     assert (one - exact).abs().mean() > 100 * (two - exact).abs().mean()
+
+
+def _run_i8(kind: str, x: torch.Tensor, w: dict[str, torch.Tensor], limbs: int) -> torch.Tensor:
+    out = torch.full((x.shape[0], w["d"].shape[0]), POISON)
+    if kind == "q4":
+        return q4_linear_i8(x, w["qs"], w["d"], w["m"], out=out, limbs=limbs)
+    return q8_linear_i8(x, w["q8"], w["d"], out=out, limbs=limbs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("limbs", [1, 2])
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_every_row_of_a_many_row_call_is_its_one_row_call_and_the_twin(kind, limbs):
+    # the register tiles (8, 4, 2, 1 rows of x against panels of 16 weight rows) give row i of
+    # an M-row call the bits of x[i] alone, at ragged N, and stay the twin's numbers
+    gen = torch.Generator().manual_seed(11 if kind == "q4" else 12)
+    for n, k in PANEL_SHAPES:
+        w = planes(n, k, gen)
+        x = activations(max(PANEL_ROWS), k, gen)
+        alone = torch.cat([_run_i8(kind, x[i : i + 1], w, limbs) for i in range(x.shape[0])])
+        for rows in PANEL_ROWS:
+            assert torch.equal(_run_i8(kind, x[:rows], w, limbs), alone[:rows]), (n, k, rows)
+        ref = (ref_q4_linear_i8(x, w["qs"], w["d"], w["m"], limbs) if kind == "q4"
+               else ref_q8_linear_i8(x, w["q8"], w["d"], limbs))
+        assert_close(alone, ref)
