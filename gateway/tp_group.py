@@ -58,10 +58,16 @@ def split_threads(num_threads: int, size: int) -> int:
 class FollowerGroup:
     """Rank 0's handle on its followers: start them, send them step inputs, watch them."""
 
-    def __init__(self, size: int, worker_id: str) -> None:
+    def __init__(self, size: int, worker_id: str, folder: str | None = None) -> None:
         self.size = size
         self.worker_id = worker_id
-        self._dir = tempfile.mkdtemp(prefix="tessera-tp-")
+        # NOTE: `folder` is the one the worker's exit-with-gateway hook removes (a SIGKILLed
+        # gateway runs no close()); a temporary folder otherwise.
+        if folder is None:
+            self._dir = tempfile.mkdtemp(prefix="tessera-tp-")
+        else:
+            os.makedirs(folder, mode=0o700)
+            self._dir = folder
         self.init_method = f"file://{os.path.join(self._dir, 'rendezvous')}"
         self._procs: list[subprocess.Popen[bytes]] = []
         self._pipes: list[int] = []  # write ends, one per follower
@@ -154,11 +160,18 @@ class FollowerGroup:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def rendezvous_folder(socket_path: str) -> str:
+    """Where a worker listening on `socket_path` keeps its group's rendezvous: beside its
+    socket, in the gateway's private folder, so the worker's exit hook can remove it."""
+    return f"{socket_path}.tp"
+
+
 def start_leader(config: EngineConfig, model: str | None, size: int, worker_id: str,
-                 ) -> tuple[FollowerGroup, LLMEngine]:
+                 folder: str | None = None) -> tuple[FollowerGroup, LLMEngine]:
     """Rank 0 of a `size`-rank worker: its followers started, the group joined, and its own
     engine (a TensorParallelLeader, each rank on its share of `config.num_threads`) built.
-    Returns both; `FollowerGroup.close` after the engine loop has stopped."""
+    Returns both; `FollowerGroup.close` after the engine loop has stopped. The group's
+    rendezvous lives in `folder` (created; `rendezvous_folder(socket)` for a worker)."""
     from runtime.distributed import init_tensor_parallel
     from runtime.engine.tp_leader import TensorParallelLeader
     from runtime.loader import open_checkpoint
@@ -169,7 +182,7 @@ def start_leader(config: EngineConfig, model: str | None, size: int, worker_id: 
     rank0 = rank_config(config, 0)  # refuses a device choice before any follower starts
     if rank0.device == "cpu":  # gloo over loopback (followers inherit it), whatever the hostname
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    group = FollowerGroup(size, worker_id)
+    group = FollowerGroup(size, worker_id, folder)
     group.start(config, model)
     init_tensor_parallel(0, size, group.init_method, device=rank0.device)
     return group, TensorParallelLeader(open_checkpoint(model), rank0, group.send)

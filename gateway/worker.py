@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -29,6 +30,7 @@ from gateway._proto.tessera.v1 import worker_pb2_grpc
 from gateway.errors import to_status
 from gateway.logs import configure, get_logger
 from gateway.readiness import notify_ready
+from gateway.tp_group import rendezvous_folder
 from gateway.transfer import CHANNEL_OPTIONS, ROLES, TRANSPORTS, TransferService, transfer_stats
 from runtime.async_engine import AsyncLLM
 from runtime.candidates import generate_candidates
@@ -215,8 +217,9 @@ def _served(engine, model: str | None, worker_id: str,
 def _exit_with_parent(socket_path: str, period_s: float = 0.5,
                       parent_pidfd: int | None = None, ready_socket: str | None = None) -> None:
     """A worker outlives no gateway, whatever phase it is in (loading, warming up, serving):
-    when its parent goes (even by SIGKILL), it removes its socket and the pool's readiness
-    socket (nobody listens on it any more), and the gateway's socket folder once empty, and
+    when its parent goes (even by SIGKILL), it removes its socket, a tensor-parallel group's
+    rendezvous folder, the pool's readiness socket (nobody listens on it any more), and the
+    gateway's socket folder once empty, and
     exits. A worker forked from a template (gateway/template_process.py)
     watches the gateway through `parent_pidfd` instead: its parent is the template, which may
     go first without taking the worker with it."""
@@ -227,6 +230,7 @@ def _exit_with_parent(socket_path: str, period_s: float = 0.5,
             if path is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+        shutil.rmtree(rendezvous_folder(socket_path), ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(socket_path))
         os._exit(0)
@@ -307,7 +311,8 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
     if args.tp > 1:  # NOTE: spawned, never forked from a template (gateway/template.py)
         from gateway.tp_group import start_leader
 
-        group, engine = start_leader(config, args.model, args.tp, worker_id)
+        group, engine = start_leader(config, args.model, args.tp, worker_id,
+                                     rendezvous_folder(args.socket))
     elif engine is None:
         engine = LLMEngine(checkpoint or open_checkpoint(args.model), config)
     else:

@@ -51,7 +51,8 @@ def _marked_processes(mark: str) -> list[int]:
 
 
 class Served:
-    def __init__(self, tmp: Path, grace_s: float, terminal_group: bool = False) -> None:
+    def __init__(self, tmp: Path, grace_s: float, terminal_group: bool = False,
+                 extra: tuple[str, ...] = ()) -> None:
         self.mark = uuid.uuid4().hex
         self.tmp = tmp
         self.grpc_port, self.http_port = _free_port(), _free_port()
@@ -61,7 +62,7 @@ class Served:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "serve", "--grpc-port", str(self.grpc_port),
              "--http-port", str(self.http_port), "--api-keys", str(keys),
-             "--kv-cache-bytes", str(256 << 20), "--shutdown-grace-s", str(grace_s)],
+             "--kv-cache-bytes", str(256 << 20), "--shutdown-grace-s", str(grace_s), *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             start_new_session=terminal_group)  # its own group, as a shell's foreground job
         self.lines: list[str] = []
@@ -97,8 +98,9 @@ class Served:
 def served(tmp_path: Path) -> Iterator[Served]:
     started: list[Served] = []
 
-    def start(grace_s: float = 2.0, terminal_group: bool = False) -> Served:
-        started.append(Served(tmp_path, grace_s, terminal_group))
+    def start(grace_s: float = 2.0, terminal_group: bool = False,
+              extra: tuple[str, ...] = ()) -> Served:
+        started.append(Served(tmp_path, grace_s, terminal_group, extra))
         return started[-1]
 
     yield start  # type: ignore[misc]
@@ -166,6 +168,15 @@ def test_sigkill_leaves_no_worker_and_no_socket_folder(served) -> None:
     s = served()
     s.wait_for_line("call it:")
     assert len(s.leftovers()[0]) >= 2 and s.leftovers()[1]
+    s.proc.kill()
+    s.proc.wait(10)
+    s.wait_clean()
+
+
+def test_sigkill_of_a_tensor_parallel_gateway_leaves_no_rank_and_no_rendezvous(served) -> None:
+    # the group's rendezvous folder used to be a tessera-tp-* folder in $TMPDIR, left behind
+    s = served(extra=("--tp", "2"))
+    s.wait_for_line("call it:")
     s.proc.kill()
     s.proc.wait(10)
     s.wait_clean()
