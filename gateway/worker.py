@@ -342,7 +342,9 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
     server.add_insecure_port(f"unix:{args.socket}")
     await server.start()
     log.info("worker serving", worker=worker_id, socket=args.socket, model=served.model,
-             revision=served.revision, pid=os.getpid())
+             revision=served.revision, pid=os.getpid(),
+             prefill=f"{served.prefill_weights}/{served.prefill_kv_cache}",
+             decode=f"{served.decode_weights}/{served.decode_kv_cache}")
     marks["serve"] = time.monotonic()
     if args.ready_socket:
         # NOTE: a forked child's CPU clock starts at its fork (POSIX times() are reset)

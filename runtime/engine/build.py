@@ -121,8 +121,10 @@ class EngineBuild:
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         sorted(self.eos_ids))
-        log.info("engine ready: %s on %s, %d pages of %d tokens: %d tokens of %s KV at %d bytes "
-                 "each; prefill weights %s, decode weights %s", checkpoint.revision, self.device,
+        log.info("engine ready%s: %s on %s, %d pages of %d tokens: %d tokens of %s KV at %d bytes "
+                 "each; prefill weights %s, decode weights %s",
+                 "" if self.tp is None else f" (tensor-parallel rank {self.tp.rank} of "
+                 f"{self.tp.size}, its share of the KV heads)", checkpoint.revision, self.device,
                  num_pages, config.page_size, num_pages * config.page_size,
                  self.formats.kv.name, spec.bytes_per_token, *self.weight_labels)
 
