@@ -113,7 +113,10 @@ def _worker(worker: WorkerHandle, s: wpb.StatusResponse | None) -> dict[str, Any
     served = s.served
     out.update(
         pages_total=s.num_pages, pages_free=s.num_free_pages,
-        pages_used=s.num_pages - s.num_free_pages, pages_cached=s.prefix_cache.cached_pages,
+        # NOTE: as /metrics counts them: used + free + cached = total (cached pages are held
+        # by the prefix cache alone, reclaimable; used ones by requests)
+        pages_used=max(0, s.num_pages - s.num_free_pages - s.prefix_cache.cached_pages),
+        pages_cached=s.prefix_cache.cached_pages,
         page_size=s.page_size, running=s.num_running, waiting=s.num_waiting,
         preemptions=s.num_preemptions, integrity_checks=s.integrity_checks,
         integrity_mismatches=s.integrity_mismatches,
