@@ -26,6 +26,9 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def _build(args: argparse.Namespace) -> tuple[Any, Any]:
     from runtime import LLM, SamplingParams
 
+    # NOTE: the sampling flags are checked before the model loads (seconds), not after
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     llm = LLM.from_config(args.model, engine_config(args))
     kv_mib = llm.engine.kv_cache_budget_bytes / 2**20
     prefill, decode = llm.engine.weight_labels
@@ -33,8 +36,6 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
                else f"prefill weights {prefill}, decode weights {decode}")
     print(f"[{llm.kv_capacity_tokens} tokens of {llm.serving_formats.kv.name} KV in "
           f"{kv_mib:.0f} MiB; {weights}]", file=sys.stderr)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     return llm, params
 
 

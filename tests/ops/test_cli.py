@@ -60,3 +60,12 @@ def test_unknown_model_path_exits_non_zero_with_model_not_found(tmp_path):
     assert str(missing) in proc.stderr
     assert "Traceback" not in proc.stderr  # a clean error line, not a crash
     assert proc.stdout == ""
+
+
+def test_generate_checks_its_sampling_flags_before_loading_the_model(tmp_path):
+    # the missing model would be found only by loading it: the flag's error comes first
+    proc = tessera("generate", "Hello", "--max-tokens", "0",
+                   "--model", str(tmp_path / "missing.gguf"))
+    assert proc.returncode != 0
+    assert "INVALID_ARGUMENT: max_tokens must be at least 1" in proc.stderr, proc.stderr
+    assert "MODEL_NOT_FOUND" not in proc.stderr
