@@ -328,6 +328,11 @@ def _serve(args: argparse.Namespace) -> int:
     print("call it:\n  python3 -c \"from gateway.client import Client; "
           f"s = Client('{runner.target}', api_key='{key_hint}').generate('Hello', "
           "max_tokens=32); print(''.join(c.text for c in s), s.usage)\"", flush=True)
+    if rest is not None:
+        body = json.dumps({"model": pool.model_id, "max_tokens": 32,
+                           "messages": [{"role": "user", "content": "Hello"}]})
+        print(f"  curl -s {rest.url}/v1/chat/completions -H 'Authorization: Bearer {key_hint}' "
+              f"-H 'Content-Type: application/json' -d '{body}'", flush=True)
     done.wait()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop_now)

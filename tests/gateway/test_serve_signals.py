@@ -26,6 +26,7 @@ from gateway.client import NO_RETRY, Client, TesseraError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 KEY = "key-signals"
+KEY_HINT = "YOUR_KEY"  # what serve prints in its hints when keys come from --api-keys
 # Outlasts every grace period here: 600 tokens ended inside an 8 s grace once decode passed
 # ~50 tok/s (the fused decode step); 1500 take over 20 s at any speed this box reaches.
 LONG = {"max_tokens": 1500, "ignore_eos": True}
@@ -171,6 +172,16 @@ def test_sigkill_leaves_no_worker_and_no_socket_folder(served) -> None:
     s.proc.kill()
     s.proc.wait(10)
     s.wait_clean()
+
+
+def test_the_printed_curl_line_is_answered(served) -> None:
+    s = served()
+    s.wait_for_line("call it:")
+    s.wait_for_line("curl -s ")
+    (line,) = [ln for ln in s.lines if ln.strip().startswith("curl -s ")]
+    done = subprocess.run(["bash", "-c", line.strip().replace(KEY_HINT, KEY)],
+                          capture_output=True, text=True, timeout=120)
+    assert json.loads(done.stdout)["choices"][0]["message"]["content"], done.stdout
 
 
 def test_sigkill_of_a_tensor_parallel_gateway_leaves_no_rank_and_no_rendezvous(served) -> None:
