@@ -25,6 +25,7 @@ from torch import nn
 from runtime.attention.backend import AttentionBackend, BatchLayout
 from runtime.context import ForwardContext, forward_context
 from runtime.kv.cache import KVCache
+from runtime.platform import platform_for
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # rows of the packed host->device copy: token id, position, slot, length
@@ -48,7 +49,7 @@ class DecodeBuffers:
     cu_seqlens_q: torch.Tensor  # [bucket + 1] int32: arange (one query each), never written
     width: int = 0  # block-table columns a step may have left non-zero
     hidden: torch.Tensor | None = None  # [bucket, hidden]: the captured graph's output
-    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    graph: object | None = None  # the captured graph (runtime/platform.py: capture_graph)
 
 
 class DecodeGraphRunner:
@@ -63,6 +64,7 @@ class DecodeGraphRunner:
                  device: torch.device, buckets: tuple[int, ...], max_pages: int) -> None:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.device, self.buckets, self.max_pages = device, buckets, max_pages
+        self.platform = platform_for(device)
         self._buffers: dict[int, DecodeBuffers] = {}
         self._pool: object | None = None  # the graphs' shared memory pool (CUDA)
         self.replays = 0
@@ -91,8 +93,7 @@ class DecodeGraphRunner:
         n, pad = layout.num_sequences, buf.bucket - layout.num_sequences
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
                              slots + [-1] * pad, layout.seq_lens + [1] * pad], dtype=torch.long)
-        buf.packed.copy_(host.pin_memory() if self.device.type == "cuda" else host,
-                         non_blocking=True)
+        self.platform.copy_from_host(buf.packed, host)
         width = layout.block_table.shape[1]
         assert width <= self.max_pages, (width, self.max_pages)
         buf.block_table[:n, :width].copy_(layout.block_table)
@@ -133,8 +134,6 @@ class DecodeGraphRunner:
     def capture(self) -> int:
         """Capture every bucket's graph (CUDA only; largest first, sharing one memory pool),
         over padding only: no page is written or read. Returns how many were captured."""
-        if self.device.type != "cuda":
-            return 0
         captured = 0
         for bucket in sorted(self.buckets, reverse=True):
             buf = self.buffers(bucket)
@@ -142,17 +141,9 @@ class DecodeGraphRunner:
                 continue
             buf.packed[_SLOT].fill_(-1)
             buf.valid.zero_()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: every kernel compiled before capture
-                for _ in range(2):
-                    self.forward(buf)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                buf.hidden = self.forward(buf)
-            self._pool = graph.pool()
-            buf.graph = graph
+            done = self.platform.capture_graph(lambda b=buf: self.forward(b), self._pool)
+            if done is None:  # a device kind without graphs: the buffers run eagerly
+                return 0
+            buf.graph, buf.hidden, self._pool = done
             captured += 1
-        torch.cuda.synchronize()
         return captured

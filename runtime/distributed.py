@@ -58,11 +58,12 @@ def check_tensor_parallel(model_config: ModelConfig, size: int, device: str) -> 
         raise InvalidArgument(f"tensor_parallel_size={size} exceeds the model's {heads} "
                               f"{'attention' if latent else 'KV'} heads",
                               field="tensor_parallel_size")
-    if platform_for(device).kind == "cuda":
-        visible = torch.cuda.device_count()
-        if size > visible:
-            raise InvalidArgument(f"tensor_parallel_size={size} needs {size} CUDA devices, one "
-                                  f"per rank; torch sees {visible}", field="tensor_parallel_size")
+    platform = platform_for(device)
+    visible = platform.visible_devices()
+    if visible is not None and size > visible:
+        raise InvalidArgument(f"tensor_parallel_size={size} needs {size} "
+                              f"{platform.kind.upper()} devices, one per rank; torch sees "
+                              f"{visible}", field="tensor_parallel_size")
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str,
@@ -73,8 +74,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str,
     when present)."""
     resolved = resolve_device(device)
     backend = backend or platform_for(resolved).distributed_backend
-    if backend == "nccl" and ":" in resolved:
-        torch.cuda.set_device(resolved)  # NCCL binds each rank's communicator to its device
+    platform_for(resolved).bind(resolved)  # NCCL binds each rank's communicator to its device
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
 
 

@@ -2,7 +2,9 @@
 `platforms/`), and `platform_for(device)`, the one place that looks at a device's type.
 
 A platform gives the compute dtype that `dtype="auto"` means, whether the engine sets torch's
-compute threads, how zeroed KV storage is allocated, and the torch.distributed backend. Kernels
+compute threads, how zeroed KV storage is allocated, the torch.distributed backend and how a
+rank binds its device, whether the host may read device values for free, how host inputs are
+copied in, and CUDA-graph capture. Kernels
 are not here: they are picked by the `tessera` ops' dispatch (kernels/ops.py) and by the
 attention backend (runtime/attention/). Importing this module does not import torch (the
 gateway and the command line read `DEVICES` to validate flags).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from runtime.errors import InvalidArgument
@@ -26,6 +29,28 @@ class Platform:
     kind: ClassVar[str]
     default_dtype: ClassVar[str]  # the torch dtype name `dtype="auto"` resolves to
     distributed_backend: ClassVar[str]  # torch.distributed backend of tensor parallelism
+    # reading a device value on the host (`int(t.max())`) costs no synchronisation, and no
+    # CUDA graph must capture the code that does it
+    host_reads_are_free: ClassVar[bool]
+
+    def visible_devices(self) -> int | None:
+        """How many devices of this kind a process may use, None where unbounded (host)."""
+        return None
+
+    def bind(self, device: str) -> None:
+        """Make `device` ("cuda:1") this process's current device, where the kind has one (a
+        NCCL communicator binds to it)."""
+
+    def copy_from_host(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        """dst <- host (a CPU tensor), without waiting for the copy where the device can."""
+        dst.copy_(host)
+
+    def capture_graph(self, run: Callable[[], torch.Tensor], pool: object | None,
+                      ) -> tuple[object, torch.Tensor, object] | None:
+        """Record `run` as a replayable graph (after two warm-up calls on a side stream, so
+        every kernel is compiled first); returns (graph, its output, its memory pool, to share
+        with the next capture), or None where the kind has no graphs."""
+        return None
 
     def compute_threads(self, num_threads: int | None) -> int:
         """Apply the engine's compute thread count where the device computes on host threads;
@@ -46,6 +71,7 @@ class CPUPlatform(Platform):
     kind = "cpu"
     default_dtype = "float32"  # bf16 matmuls are slower than fp32 on most CPUs
     distributed_backend = "gloo"
+    host_reads_are_free = True
 
     def compute_threads(self, num_threads: int | None) -> int:
         from runtime.threads import apply_num_threads
@@ -71,6 +97,37 @@ class CUDAPlatform(Platform):
     kind = "cuda"
     default_dtype = "bfloat16"
     distributed_backend = "nccl"
+    host_reads_are_free = False
+
+    def visible_devices(self) -> int | None:
+        import torch
+
+        return torch.cuda.device_count()
+
+    def bind(self, device: str) -> None:
+        import torch
+
+        if ":" in device:
+            torch.cuda.set_device(device)
+
+    def copy_from_host(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        dst.copy_(host.pin_memory(), non_blocking=True)
+
+    def capture_graph(self, run: Callable[[], torch.Tensor], pool: object | None,
+                      ) -> tuple[object, torch.Tensor, object] | None:
+        import torch
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: every kernel compiled before capture
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = run()
+        torch.cuda.synchronize()
+        return graph, out, graph.pool()
 
 
 PLATFORMS: dict[str, Platform] = {p.kind: p for p in (CPUPlatform(), CUDAPlatform())}

@@ -13,6 +13,7 @@ from runtime.attention import backend_of
 from runtime.config import ModelConfig
 from runtime.context import get_forward_context
 from runtime.errors import ModelLoadError
+from runtime.platform import platform_for
 
 
 class RMSNorm(nn.Module):
@@ -80,9 +81,11 @@ class RotaryEmbedding(nn.Module):
         step (every layer rotates at the same positions)."""
         step = self._step
         if step is None or step[0] is not positions or step[1].dtype != dtype:
-            # NOTE: off CPU the table covers max_position_embeddings (the engine's limit) and
-            # positions.max() is not read: a host sync, and no CUDA graph could capture it
-            length = int(positions.max()) + 1 if positions.device.type == "cpu" else 0
+            # NOTE: where a host read costs a sync (and no CUDA graph could capture it) the
+            # table covers max_position_embeddings, the engine's limit, and positions.max()
+            # is not read
+            free = platform_for(positions.device).host_reads_are_free
+            length = int(positions.max()) + 1 if free else 0
             cos_t, sin_t = self._table(length, positions.device)
             step = (positions, cos_t[positions].unsqueeze(1).to(dtype),
                     sin_t[positions].unsqueeze(1).to(dtype))
