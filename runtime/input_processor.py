@@ -25,6 +25,7 @@ class ProcessedPrompt:
 
     token_ids: list[int]
     text: str | None = None  # the text the ids came from, when the prompt was text
+    from_messages: bool = False  # rendered from chat messages (errors name "the messages")
 
 
 Prompt = str | list[int] | ProcessedPrompt
@@ -58,7 +59,8 @@ class InputProcessor:
                      add_generation_prompt: bool = True) -> ProcessedPrompt:
         """A conversation rendered with the chat template; message contents are plain text (a
         "<|im_end|>" in one is text, never a control token). Errors as `Tokenizer.encode_chat`."""
-        return ProcessedPrompt(self.tokenizer.encode_chat(messages, add_generation_prompt))
+        return ProcessedPrompt(self.tokenizer.encode_chat(messages, add_generation_prompt),
+                               from_messages=True)
 
     def check_ids(self, ids: list[int] | tuple[int, ...]) -> list[int]:
         """`ids` as a list when every one is an int in [0, vocab_size), else InvalidArgument."""

@@ -78,7 +78,8 @@ class Admission:
                 f"prompt has {len(ids)} tokens; this model serves at most {self.max_model_len} "
                 f"(prompt and output together)", prompt_tokens=len(ids),
                 max_model_len=self.max_model_len)
-        max_tokens = self._resolve_max_tokens(len(ids), params.max_tokens, tenant)
+        max_tokens = self._resolve_max_tokens(len(ids), params.max_tokens, tenant,
+                                              "messages" if processed.from_messages else "prompt")
         so = params.structured_output
         grammar = None if so is None else self.grammars.matcher(so)
         seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text, max_tokens=max_tokens)
@@ -93,9 +94,11 @@ class Admission:
         self.scheduler.add(seq)
         return seq
 
-    def _resolve_max_tokens(self, prompt_tokens: int, asked: int | None, tenant: str) -> int:
+    def _resolve_max_tokens(self, prompt_tokens: int, asked: int | None, tenant: str,
+                            prompt_name: str = "prompt") -> int:
         """The output limit: what was asked, refused past the context or the tenant's KV quota;
-        when unset, all that both leave after the prompt."""
+        when unset, all that both leave after the prompt. `prompt_name` is what the refusal
+        calls the input: "messages" for a chat (OpenAI's chat wording), else "prompt"."""
         quota_tokens = self.scheduler.quota_pages * self.pool.page_size
         if asked is None:
             room = min(self.max_model_len, quota_tokens) - prompt_tokens
@@ -105,9 +108,9 @@ class Admission:
         elif prompt_tokens + asked > self.max_model_len:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {prompt_tokens + asked} tokens ({prompt_tokens} in the messages, "
-                f"{asked} in the completion). Please reduce the length of the messages or "
-                f"completion.", field="max_tokens", prompt_tokens=prompt_tokens,
+                f"you requested {prompt_tokens + asked} tokens ({prompt_tokens} in the "
+                f"{prompt_name}, {asked} in the completion). Please reduce the length of the "
+                f"{prompt_name} or completion.", field="max_tokens", prompt_tokens=prompt_tokens,
                 max_tokens=asked, max_model_len=self.max_model_len)
         longest = prompt_tokens + asked
         if self.pool.pages_for_tokens(longest) > self.scheduler.quota_pages:

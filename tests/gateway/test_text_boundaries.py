@@ -85,7 +85,7 @@ def test_max_tokens_past_the_context_is_refused_with_the_numbers(client, tokeniz
     err = info.value
     assert err.reason == "CONTEXT_LENGTH_EXCEEDED"
     assert (f"maximum context length is 1456 tokens. However, you requested {n + 100_000} "
-            f"tokens ({n} in the messages, 100000 in the completion)") in err.message
+            f"tokens ({n} in the prompt, 100000 in the completion)") in err.message
     assert err.metadata == {"field": "max_tokens", "prompt_tokens": str(n),
                             "max_tokens": "100000", "max_model_len": "1456"}
 

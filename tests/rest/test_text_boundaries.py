@@ -136,6 +136,16 @@ def test_max_tokens_past_the_context_is_400_with_the_numbers(oai, tokenizer, str
             f"tokens ({n} in the messages, 100000 in the completion)") in info.value.message
 
 
+def test_completions_past_the_context_names_the_prompt_not_messages(oai, tokenizer) -> None:
+    prompt = "The capital of France is"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=100_000)
+    n = len(tokenizer.encode(prompt))
+    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
+    assert (f"tokens ({n} in the prompt, 100000 in the completion). Please reduce the length "
+            f"of the prompt or completion.") in info.value.message
+
+
 @pytest.mark.parametrize("max_tokens", [10**4, 10**9, 2**32 - 1, 2**32, 2**40, 10**30])
 def test_max_tokens_past_the_context_is_context_length_exceeded_whatever_its_size(
         shim, max_tokens) -> None:

@@ -85,7 +85,7 @@ CASES = [
     BadCase("prompt_text_past_context", too_long_text, ContextLengthExceeded,
             ("prompt", "tokens", "at most")),
     BadCase("max_tokens_past_context", output_past_context, ContextLengthExceeded,
-            ("maximum context length", "10 in the messages")),
+            ("maximum context length", "10 in the prompt")),
     params_case("max_tokens_zero", "max_tokens", 0, "at least 1"),
     params_case("max_tokens_negative", "max_tokens", -3, "at least 1"),
     params_case("max_tokens_float", "max_tokens", 2.5, "integer"),

@@ -51,7 +51,7 @@ def test_max_tokens_past_the_context_is_refused_with_the_numbers(engine):
     err, limit = info.value, engine.max_model_len
     assert err.reason == "CONTEXT_LENGTH_EXCEEDED"
     assert (f"maximum context length is {limit} tokens. However, you requested {n + 100_000} "
-            f"tokens ({n} in the messages, 100000 in the completion)") in err.message
+            f"tokens ({n} in the prompt, 100000 in the completion)") in err.message
     assert err.metadata == {"field": "max_tokens", "prompt_tokens": str(n),
                             "max_tokens": "100000", "max_model_len": str(limit)}
     assert "too-many" not in engine.requests
