@@ -2,10 +2,12 @@
 checkpoint (tokenizer, GGUF reader), mapped its weights (runtime/loader/mapped.py) and loaded
 the native ops, and that runs no thread, no gRPC object and no OpenMP pool; workers are forked
 from it (Android's zygote, SGLang's forkserver) and finish their start in the child. What no
-first request needs (llguidance's tokenizer, the tokenizer's plain-text backend) is built after
-"ready", once the template is idle (Template.finish_load), so the first fork does not wait for it.
+first request needs (llguidance's tokenizer, the tokenizer's plain-text backend and chat
+template) is built after "ready", once the template is idle (Template.finish_load), so the first
+fork does not wait for it.
 
-`python -m gateway.template_process --reply-fd N -- WORKER-ARGV`, started by gateway/template.py.
+`python -m gateway.template_process --reply-fd N -- WORKER-ARGV`, started by
+gateway/template_launch.py (`tessera serve` starts it before the gateway's own modules load).
 Commands arrive as JSON lines on stdin (`{"op": "fork", "argv": [...]}`); replies go to the
 reply fd (`ready`, `forked` with a pid or `error`, `exited` with a pid and exit code). The
 template reaps its children and exits when the gateway closes its stdin (or dies).
@@ -110,9 +112,10 @@ class Template:
 
     def finish_load(self) -> dict[str, float]:
         """What no first worker waits for, done once (per load) when the template is idle:
-        llguidance's tokenizer (~0.4 s) and the tokenizer's plain-text backend (~0.15 s), both
-        kept on the checkpoint's tokenizer, so every later fork inherits them (a worker forked
-        before makes its own on first use). The phases it ran, {} when there was nothing left."""
+        llguidance's tokenizer (~0.4 s), the tokenizer's plain-text backend (~0.15 s) and its
+        chat template (jinja2), all kept on the checkpoint's tokenizer, so every later fork
+        inherits them (a worker forked before makes its own on first use). The phases it ran,
+        {} when there was nothing left."""
         from runtime.grammar import llguidance_tokenizer
 
         if self.finished:

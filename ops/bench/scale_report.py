@@ -13,8 +13,8 @@ _TEMPLATE_ROWS = [
     ("tokenizer: GGUF reader + tokenizer", ("checkpoint",)),
     ("map weights", ("map_weights",)),
     ("engine (weights, KV pool) + warm-up", ("engine_warm_up",)),
-    ("after ready, once idle: grammar + text tokenizers", ("grammar_tokenizer",
-                                                           "text_tokenizer")),
+    ("after ready, once idle: grammar + text tokenizers, chat template",
+     ("grammar_tokenizer", "text_tokenizer")),
 ]
 _WORKER_ROWS = [
     ("fork (request, fork, child set-up) / spawn", ("process", "forked", "setup")),
