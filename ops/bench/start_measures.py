@@ -167,9 +167,16 @@ def serve_start(template: bool, first_token: Callable[[str], None], key: str, mo
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             cwd=root)
     log = _ServeLog(proc, started)
+
+    def attempt() -> None:
+        # NOTE: a plain TCP connect first, so no gRPC attempt is refused: a refused one leaves
+        # the target's shared subchannel failing (and backing off) for a while after the port
+        # opens, a delay that would be counted as serve's start
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        first_token(f"127.0.0.1:{port}")
+
     try:
-        out: dict[str, Any] = _until(lambda: first_token(f"127.0.0.1:{port}"), proc,
-                                     timeout_s, started)
+        out: dict[str, Any] = _until(attempt, proc, timeout_s, started)
         out.update(log.phases(out["wall_s"]))
         return out
     finally:
