@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 from gateway.auth import ApiKeys
@@ -14,6 +14,7 @@ from gateway.fairness import NO_LIMITS, TenantLimits
 from gateway.grpc_server import Gateway, build_server
 from gateway.logs import configure, get_logger
 from gateway.supervisor import PoolConfig, WorkerPool
+from gateway.template_launch import LaunchedTemplate
 
 log = get_logger("tessera.runner")
 
@@ -22,8 +23,13 @@ class GatewayRunner:
     """The gateway on its own event loop thread; `call` runs a coroutine there."""
 
     def __init__(self, pools: Sequence[PoolConfig], keys: ApiKeys, host: str = "127.0.0.1",
-                 port: int = 0, tenant_limits: TenantLimits = NO_LIMITS) -> None:
+                 port: int = 0, tenant_limits: TenantLimits = NO_LIMITS,
+                 templates: Mapping[str, LaunchedTemplate] | None = None) -> None:
+        """`templates`: pools' templates already started, by pool label (`tessera serve`
+        starts them before the gateway, gateway/template_launch.py); any other pool that keeps
+        one starts its own."""
         self.pool_configs, self.keys, self.host, self.port = list(pools), keys, host, port
+        self.templates = dict(templates or {})
         self.tenant_limits = tenant_limits
         self.loop = asyncio.new_event_loop()
         self.gateway: Gateway | None = None
@@ -46,8 +52,11 @@ class GatewayRunner:
         return self
 
     async def _start(self, wait_ready: bool) -> None:
-        pools = {c.model_id: WorkerPool(c) for c in self.pool_configs if c.role != "prefill"}
-        prefill = {c.model_id: WorkerPool(c) for c in self.pool_configs if c.role == "prefill"}
+        def pool(c: PoolConfig) -> WorkerPool:
+            return WorkerPool(c, template=self.templates.pop(c.pool_label, None))
+
+        pools = {c.model_id: pool(c) for c in self.pool_configs if c.role != "prefill"}
+        prefill = {c.model_id: pool(c) for c in self.pool_configs if c.role == "prefill"}
         self.gateway = Gateway(pools, self.keys, tenant_limits=self.tenant_limits,
                                prefill_pools=prefill)
         self._server, self.port = await build_server(self.gateway, self.host, self.port)
@@ -80,6 +89,9 @@ class GatewayRunner:
     def stop(self, grace_s: float = 0.0) -> None:
         """Drain (new requests get UNAVAILABLE; in-flight ones have grace_s to finish, then
         end with UNAVAILABLE), stop the server, stop every worker."""
+        for template in self.templates.values():  # no pool of theirs was made
+            template.close()
+        self.templates.clear()
         if not self._thread.is_alive():
             return
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import os
 import shlex
@@ -14,23 +13,24 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gateway.auth import ApiKeys
-from gateway.fairness import TenantLimits
-from gateway.logs import configure, get_logger
+from gateway.pool_config import PoolConfig
 from gateway.ports import PortInUse, check_free
-from gateway.runner import GatewayRunner
-from gateway.supervisor import PoolConfig
 from gateway.tp_check import check_tensor_parallel_layout, check_tensor_parallel_model
 from runtime.engine_flags import add_engine_flags, engine_argv
 from runtime.extras import require_extra
 from runtime.threads import share_of_cores
 
+# NOTE: the gateway's own modules (gRPC, asyncio, structlog, prometheus) are imported in
+# _serve, after the pools' templates started: their import (~0.3 s of CPU) then runs beside
+# the templates' import of torch instead of before it (gateway/template_launch.py).
 if TYPE_CHECKING:
     from gateway.rest.http_server import RestServer
+    from gateway.runner import GatewayRunner
+    from gateway.template_launch import LaunchedTemplate
 
-log = get_logger("tessera.serve")
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 # A quarter of --max-queue's default: one tenant's flood never fills the model's whole queue.
 DEFAULT_TENANT_MAX_QUEUED = 32
@@ -188,6 +188,8 @@ def check_engine_choices(args: argparse.Namespace) -> None:
     start with (its workers would fail and be restarted until --worker-start-timeout-s): a
     backend whose extra is missing, CUDA asked of a CPU build of torch. Reads package metadata
     only: the gateway does not import torch."""
+    import importlib.metadata
+
     if getattr(args, "attention_backend", None) == "triton":
         require_extra("cuda", "triton", what="attention_backend 'triton'")
     device = getattr(args, "device", None) or "auto"
@@ -270,9 +272,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def launch_templates(pools: Sequence[PoolConfig]) -> dict[str, LaunchedTemplate]:
+    """The templates of those `pools` that keep one, started now, by pool label. One that
+    cannot start is left to its pool, which tries again and spawns its workers (warning) when
+    it cannot."""
+    from gateway.template_launch import launch_pool_template
+
+    templates = {}
+    for config in pools:
+        try:
+            template = launch_pool_template(config)
+        except OSError:
+            continue
+        if template is not None:
+            templates[config.pool_label] = template
+    return templates
+
+
 def _serve(args: argparse.Namespace) -> int:
-    configure()
-    keys, dev_key = ApiKeys.load(args.api_keys)
     check_tensor_parallel_layout(args)
     pool = pool_config(args)
     pools = pool_configs(pool, args)
@@ -284,6 +301,26 @@ def _serve(args: argparse.Namespace) -> int:
     check_engine_choices(args)
     check_tensor_parallel_model(args, [*worker_args(args), *(
         ["--model", args.model] if args.model else [])])
+    # NOTE: the templates first, so their load (import torch, open and map the model, warm
+    # the engine) runs beside the gateway's own start; the first worker is forked from one as
+    # soon as it is ready, and the first request waits for that worker.
+    templates = launch_templates(pools)
+    try:
+        return _serve_pools(args, pool, pools, templates)
+    finally:
+        for template in templates.values():  # those no pool adopted (an early exit)
+            template.close()
+
+
+def _serve_pools(args: argparse.Namespace, pool: PoolConfig, pools: list[PoolConfig],
+                 templates: dict[str, LaunchedTemplate]) -> int:
+    from gateway.auth import ApiKeys
+    from gateway.fairness import TenantLimits
+    from gateway.logs import configure
+    from gateway.runner import GatewayRunner
+
+    configure()
+    keys, dev_key = ApiKeys.load(args.api_keys)
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
@@ -295,7 +332,8 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     limits = TenantLimits(args.tenant_max_inflight, args.tenant_max_queued)
-    runner = GatewayRunner(pools, keys, args.host, args.grpc_port, tenant_limits=limits)
+    runner = GatewayRunner(pools, keys, args.host, args.grpc_port, tenant_limits=limits,
+                           templates=templates)
     try:
         runner.start(wait_ready=False)
     except PortInUse:

@@ -22,7 +22,8 @@ from gateway.pool_config import PoolConfig, PoolStats
 from gateway.readiness import ReadinessListener
 from gateway.router import Router
 from gateway.start_failures import StartFailures
-from gateway.template import WorkerTemplate, uses_template
+from gateway.template import WorkerTemplate
+from gateway.template_launch import LaunchedTemplate, pool_uses_template, template_command
 from gateway.worker_command import threads_per_worker, worker_command, worker_env
 from gateway.worker_handle import WorkerHandle
 
@@ -32,8 +33,12 @@ log = get_logger("tessera.supervisor")
 
 
 class WorkerPool:
-    def __init__(self, config: PoolConfig, run_dir: str | None = None) -> None:
+    def __init__(self, config: PoolConfig, run_dir: str | None = None,
+                 template: LaunchedTemplate | None = None) -> None:
+        """`template`: this pool's template, already started (gateway/template_launch.py:
+        launch_pool_template); None: the pool starts its own when it keeps one."""
         self.config = config
+        self._launched_template = template
         self._own_run_dir = run_dir is None
         # made when the first worker starts: a pool that never starts one leaves no folder
         self._run_dir = run_dir
@@ -55,15 +60,12 @@ class WorkerPool:
 
     async def start(self) -> None:
         cfg = self.config
-        # NOTE: never for a tensor-parallel pool: its worker is a group of processes that
-        # each load their own shard and meet in a process group, while a template holds one
-        # process's whole-model engine; forking rank 0 alone would save its followers nothing,
-        # and on CUDA every rank needs a fresh context of its own anyway.
-        if cfg.tensor_parallel_size == 1 and uses_template(cfg.template, cfg.min_workers,
-                                                           cfg.max_workers):
-            shape = WorkerHandle(f"{cfg.pool_label}-template", "", cfg.max_inflight)
-            self._template = WorkerTemplate(self._command(shape), worker_env(cfg))
+        if pool_uses_template(cfg):
+            self._template = WorkerTemplate(template_command(cfg), worker_env(cfg),
+                                            self._launched_template)
             self._background(self._template.start(cfg.start_timeout_s))
+        elif self._launched_template is not None:
+            self._launched_template.close()
         self._maintainer = asyncio.create_task(self._maintain())
         await self._ensure_min()
 
@@ -328,6 +330,8 @@ class WorkerPool:
         await asyncio.gather(*(w.terminate() for w in workers), return_exceptions=True)
         if self._template is not None:
             await self._template.close()
+        elif self._launched_template is not None:
+            self._launched_template.close()  # NOTE: never started: nothing adopted it
         await self._notify()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)

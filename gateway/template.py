@@ -9,14 +9,19 @@ import contextlib
 import json
 import os
 import signal
-import sys
+import subprocess
 import time
 from typing import Any
 
 from gateway.logs import get_logger
+from gateway.template_launch import (  # noqa: F401  (uses_template: re-exported)
+    LaunchedTemplate,
+    launch_template,
+    template_argv,
+    uses_template,
+)
 
 log = get_logger("tessera.template")
-_WORKER_MODULE = ["-m", "gateway.worker"]
 
 
 class TemplateUnavailable(Exception):
@@ -62,10 +67,13 @@ class ForkedProcess:
 class WorkerTemplate:
     """One template process for one pool's workers (same model, flags and environment)."""
 
-    def __init__(self, worker_command: list[str], env: dict[str, str]) -> None:
-        self._argv = worker_command[len(_WORKER_MODULE) + 1:]
+    def __init__(self, worker_command: list[str], env: dict[str, str],
+                 launched: LaunchedTemplate | None = None) -> None:
+        self._command = worker_command
         self._env = env
-        self._process: asyncio.subprocess.Process | None = None
+        self._launched = launched  # started before the event loop (tessera serve), or None
+        self._process: subprocess.Popen | None = None
+        self._commands_fd: int | None = None  # its stdin, non-blocking
         self._replies: asyncio.StreamReader | None = None
         self._reader: asyncio.Task | None = None
         self._pending: asyncio.Future | None = None
@@ -80,28 +88,33 @@ class WorkerTemplate:
 
     @property
     def alive(self) -> bool:
-        return (self._process is not None and self._process.returncode is None
+        return (self._process is not None and self._process.poll() is None
                 and self.ready.is_set() and self.failed is None)
 
     async def start(self, timeout_s: float) -> None:
-        """Start the template and wait until it has loaded (or `timeout_s` passed); on any
-        failure it is marked failed and workers are spawned."""
-        read_fd, write_fd = os.pipe()
-        try:
-            self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gateway.template_process", "--reply-fd", str(write_fd),
-                "--", *self._argv, env=self._env, stdin=asyncio.subprocess.PIPE,
-                pass_fds=(write_fd,), start_new_session=True)
-        except OSError as e:
-            os.close(read_fd)
-            self._fail(f"cannot start: {e}")
+        """Adopt the template launched for this pool (or start it now) and wait until it has
+        loaded (or `timeout_s` passed); on any failure it is marked failed and workers are
+        spawned."""
+        if self._closing:
             return
-        finally:
-            os.close(write_fd)
+        launched = self._launched
+        if launched is None or launched.command != self._command or launched.adopted:
+            if launched is not None:
+                launched.close()  # NOTE: started for other flags: not this pool's template
+            try:
+                launched = launch_template(self._command, self._env)
+            except OSError as e:
+                self._fail(f"cannot start: {e}")
+                return
+        launched.adopted = True
+        self._process = launched.process
+        assert self._process.stdin is not None
+        self._commands_fd = self._process.stdin.fileno()
+        os.set_blocking(self._commands_fd, False)
         loop = asyncio.get_running_loop()
         self._replies = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(self._replies),
-                                     os.fdopen(read_fd, "rb", buffering=0))
+                                     os.fdopen(launched.replies_fd, "rb", buffering=0))
         self._reader = asyncio.create_task(self._read_replies())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.ready.wait(), timeout_s)
@@ -157,15 +170,17 @@ class WorkerTemplate:
     async def fork(self, worker_command: list[str], timeout_s: float = 30.0) -> ForkedProcess:
         """A worker forked from the template for `worker_command` (gateway.worker's command
         line; its environment is the template's). Raises TemplateUnavailable."""
-        if not self.alive or self._process is None or self._process.stdin is None:
+        if not self.alive or self._commands_fd is None:
             raise TemplateUnavailable(self.failed or "the template is not running")
         async with self._fork_lock:
             self._pending = asyncio.get_running_loop().create_future()
-            argv = worker_command[len(_WORKER_MODULE) + 1:]
+            line = (json.dumps({"op": "fork", "argv": template_argv(worker_command)})
+                    + "\n").encode()
             try:
-                self._process.stdin.write((json.dumps({"op": "fork", "argv": argv})
-                                           + "\n").encode())
-                await self._process.stdin.drain()
+                # NOTE: one short line to a template that reads its commands while idle; a pipe
+                # it left full (BlockingIOError) is one that does not answer
+                if os.write(self._commands_fd, line) != len(line):
+                    raise OSError("the fork command was cut short")
                 reply = await asyncio.wait_for(self._pending, timeout_s)
             except (OSError, TimeoutError) as e:
                 self._fail(f"no answer to a fork: {e!r}")
@@ -193,21 +208,28 @@ class WorkerTemplate:
 
     async def close(self) -> None:
         self._closing = True
+        if self._launched is not None and not self._launched.adopted:
+            self._launched.close()  # NOTE: never adopted (the pool closed before it started)
         proc = self._process
-        if proc is None or proc.returncode is not None:
+        if proc is None or proc.poll() is not None:
             return
         if proc.stdin is not None:
             proc.stdin.close()  # the template exits on EOF; its workers stay with the gateway
-        try:
-            await asyncio.wait_for(proc.wait(), 5)
-        except TimeoutError:
+        self._commands_fd = None
+        if not self.ready.is_set():
+            proc.terminate()  # NOTE: still loading, it reads no command; it has no worker yet
+        if not await _exited(proc, 5.0):
             proc.kill()
-            await proc.wait()
+            await _exited(proc, 5.0)
         if self._reader is not None:
             self._reader.cancel()
 
 
-def uses_template(choice: bool | None, min_workers: int, max_workers: int) -> bool:
-    """A pool forks its workers from a template when asked, or by default (None) when it may
-    start workers after its first ones: it scales from zero or can grow."""
-    return choice if choice is not None else (min_workers == 0 or max_workers > min_workers)
+async def _exited(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether `proc` exited (and was reaped) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True

@@ -2,10 +2,12 @@
 checkpoint (tokenizer, GGUF reader), mapped its weights (runtime/loader/mapped.py) and loaded
 the native ops, and that runs no thread, no gRPC object and no OpenMP pool; workers are forked
 from it (Android's zygote, SGLang's forkserver) and finish their start in the child. What no
-first request needs (llguidance's tokenizer, the tokenizer's plain-text backend) is built after
-"ready", once the template is idle (Template.finish_load), so the first fork does not wait for it.
+first request needs (llguidance's tokenizer, the tokenizer's plain-text backend and chat
+template) is built after "ready", once the template is idle (Template.finish_load), so the first
+fork does not wait for it.
 
-`python -m gateway.template_process --reply-fd N -- WORKER-ARGV`, started by gateway/template.py.
+`python -m gateway.template_process --reply-fd N -- WORKER-ARGV`, started by
+gateway/template_launch.py (`tessera serve` starts it before the gateway's own modules load).
 Commands arrive as JSON lines on stdin (`{"op": "fork", "argv": [...]}`); replies go to the
 reply fd (`ready`, `forked` with a pid or `error`, `exited` with a pid and exit code). The
 template reaps its children and exits when the gateway closes its stdin (or dies).
@@ -110,9 +112,10 @@ class Template:
 
     def finish_load(self) -> dict[str, float]:
         """What no first worker waits for, done once (per load) when the template is idle:
-        llguidance's tokenizer (~0.4 s) and the tokenizer's plain-text backend (~0.15 s), both
-        kept on the checkpoint's tokenizer, so every later fork inherits them (a worker forked
-        before makes its own on first use). The phases it ran, {} when there was nothing left."""
+        llguidance's tokenizer (~0.4 s), the tokenizer's plain-text backend (~0.15 s) and its
+        chat template (jinja2), all kept on the checkpoint's tokenizer, so every later fork
+        inherits them (a worker forked before makes its own on first use). The phases it ran,
+        {} when there was nothing left."""
         from runtime.grammar import llguidance_tokenizer
 
         if self.finished:
@@ -139,6 +142,9 @@ class Template:
             raise RuntimeError("CUDA is initialised in the template: forking it is unsafe")
         engine = self.engine if self._same_engine(argv) else None
         gc.freeze()  # NOTE: the child's refcount writes then leave the template's pages shared
+        # NOTE: collection was off for the load (main()); on from here, in the template and
+        # in every child, with the load's objects frozen: no pass ever walks them
+        gc.enable()
         pid = os.fork()
         if pid == 0:
             _become_worker(argv, self.checkpoint, self.gateway_pidfd, engine)
@@ -324,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m gateway.template_process --reply-fd N -- WORKER-ARGV",
               file=sys.stderr)
         return 2
+    # NOTE: no cyclic garbage collection while the template loads: its passes over what
+    # importing torch allocates cost ~0.25 s of CPU (~15% of the load, all before the first
+    # fork); the load leaves few cycles (~7,000 objects), frozen with the rest at the first
+    # fork, where collection is turned back on (Template.fork).
+    gc.disable()
     return serve(int(argv[1]), argv[3:])
 
 

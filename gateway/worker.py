@@ -6,6 +6,15 @@ is thin: proto in, AsyncLLM call, proto out; errors become rich statuses in gate
 
 from __future__ import annotations
 
+import gc
+
+# NOTE: a spawned worker (`python -m gateway.worker`) collects no cyclic garbage until it has
+# started: the collector's passes over what importing torch and tessera allocates cost ~0.25 s
+# of CPU of its start; then the start's objects are frozen and collection turned on (serve()).
+# A worker forked from a template starts with it on already, its template's objects frozen.
+if __name__ == "__main__":
+    gc.disable()
+
 import argparse
 import asyncio
 import contextlib
@@ -331,6 +340,9 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
     log.info("worker warmed up", worker=worker_id, native_ops=native_ops,
              engine_s=round(engine_s, 3), warm_up_s=round(time.monotonic() - started, 3),
              forked=checkpoint is not None, adopted=adopted)
+    if not gc.isenabled():  # NOTE: a spawned worker started without it (top of this file)
+        gc.freeze()
+        gc.enable()
     llm = AsyncLLM(engine)
     if group is not None:
         group.stop_with_engine(llm)

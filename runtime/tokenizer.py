@@ -13,8 +13,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Encoding, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -46,8 +44,9 @@ class Tokenizer:
         # waits for it). Neither is mutated once made, so both may encode from any thread.
         self._text: HFTokenizer | None = None
         self._text_lock = threading.Lock()
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._template = None
+        # NOTE: the chat template's jinja2 environment, made on first use or by prepare() too
+        # (importing jinja2 is ~40 ms of CPU no first request without a chat waits for)
+        self._template: Any = None
 
     @property
     def _text_backend(self) -> HFTokenizer:
@@ -60,9 +59,24 @@ class Tokenizer:
         return self._text
 
     def prepare(self) -> None:
-        """Make now what is otherwise made on first use (the plain-text backend): an engine's
-        warm-up and a worker template, once idle, call it."""
+        """Make now what is otherwise made on first use (the plain-text backend, the chat
+        template): an engine's warm-up and a worker template, once idle, call it."""
         self._text_backend  # noqa: B018
+        if self.chat_template:
+            from jinja2 import TemplateError
+
+            try:
+                self._chat_template()
+            except TemplateError:  # NOTE: said to the request that renders it, as before
+                pass
+
+    def _chat_template(self) -> Any:
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(self.chat_template)
+        return self._template
 
     def encode(self, text: str, add_special_tokens: bool = True,
                split_special_tokens: bool = False) -> list[int]:
@@ -164,10 +178,11 @@ class Tokenizer:
         return self._render(messages, add_generation_prompt)
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        if self._template is None:
-            self._template = self._env.from_string(self.chat_template)
+        from jinja2 import TemplateError
+
+        template = self._chat_template()
         try:
-            return self._template.render(messages=messages, bos_token=self.bos_token or "",
+            return template.render(messages=messages, bos_token=self.bos_token or "",
                                          eos_token=self.eos_token or "",
                                          add_generation_prompt=add_generation_prompt)
         except TemplateError as e:

@@ -10,14 +10,18 @@ llama-server's start in the same run when given; the start broken down by phase.
   time on the worker it woke; p50 and p99 over `--trials`.
 - serve start to first token: `tessera serve` as a fresh process (min 1 worker) until the first
   token of one such request arrives; median over `--serve-trials`, with the CPU seconds its
-  process tree had spent by then (ops/bench/start_measures.py). llama-server the same way, when
-  `--llama-server` and `--gguf` are given.
+  process tree had spent by then (ops/bench/start_measures.py), and by phase: exec -> template
+  launched -> gateway up (gRPC server and pools started) -> template ready -> first worker
+  ready -> first token, with the gateway process's own CPU at each mark and the template's at
+  its ready. llama-server the same way, when `--llama-server` and `--gguf` are given.
 - memory: PSS and private bytes (/proc/PID/smaps_rollup) of one worker alone, then of each of
   two, and private resident bytes, KV pages included (the pool is a lazily committed mapping,
   resident where touched).
 - phases: the template's load (once), and each worker's start by phase as its readiness
   reported it (gateway/readiness.py: start_phases): fork, map, tokenizer, KV pool, warm-up.
-`--phases-only` measures just the template's cold penalty and its workers' phases.
+`--phases-only` measures just the template's cold penalty and its workers' phases;
+`--serve-root main=/work/main --serve-root new=.` just serve's start, from each checkout in turn
+(an A/B whose trials interleave, so that a busy machine slows both alike).
 Numbers from a shared machine are only as quiet as the machine: say its load beside them.
 """
 
@@ -28,6 +32,7 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 from gateway.auth import ApiKeys
 from gateway.client import Client
@@ -45,9 +50,10 @@ def _ttft(target: str) -> float:
     with Client(target, api_key=KEY) as client:
         started = time.monotonic()
         stream = client.generate(PROMPT, max_tokens=1, temperature=0.0, ignore_eos=True)
-        next(iter(stream))
+        chunks = iter(stream)  # NOTE: one iterator: a second iter(stream) sends the request again
+        next(chunks)
         first = time.monotonic() - started
-        list(stream)
+        list(chunks)
     return first
 
 
@@ -152,6 +158,20 @@ async def _grow(pool) -> None:  # type: ignore[no-untyped-def]
     pool._spawn()  # NOTE: a second worker on demand, as a burst would start it
 
 
+def serve_ab(roots: list[str], trials: int) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """`tessera serve` start to first token from each `LABEL=CHECKOUT` in `roots`, with the
+    template and spawned, `trials` rounds of every (checkout, variant) in turn, so that a busy
+    machine slows them alike: {label: {"template": [...], "spawn": [...]}}."""
+    checkouts = dict(root.split("=", 1) for root in roots)
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {
+        label: {"template": [], "spawn": []} for label in checkouts}
+    for _ in range(trials):
+        for template in (True, False):
+            for label, root in checkouts.items():
+                out[label]["template" if template else "spawn"].append(
+                    serve_start(template, _ttft, KEY, MODEL, KV_BYTES,
+                                root=os.path.abspath(root)))
+    return out
 
 
 def _llama_server(args: argparse.Namespace) -> list[dict[str, float]] | str:
@@ -177,11 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--phases-only", action="store_true",
                    help="only the template's cold penalty and its workers' start phases")
+    p.add_argument("--serve-root", action="append", default=[], metavar="LABEL=CHECKOUT",
+                   help="only `tessera serve` start to first token, by phase, with and without "
+                        "the template, run from each checkout given (repeat it: A/B, the "
+                        "trials interleaved)")
     args = p.parse_args(argv)
     results: dict[str, object] = {"loadavg_1m": os.getloadavg()[0], "cores": os.cpu_count(),
                                   "kv_bytes": KV_BYTES}
     if args.phases_only:
         results["cold_template"] = cold_penalty(True, args.trials)
+    elif args.serve_root:
+        results["serve_ab"] = serve_ab(args.serve_root, args.serve_trials)
     else:
         for template in (True, False):
             name = "template" if template else "spawn"

@@ -13,8 +13,8 @@ _TEMPLATE_ROWS = [
     ("tokenizer: GGUF reader + tokenizer", ("checkpoint",)),
     ("map weights", ("map_weights",)),
     ("engine (weights, KV pool) + warm-up", ("engine_warm_up",)),
-    ("after ready, once idle: grammar + text tokenizers", ("grammar_tokenizer",
-                                                           "text_tokenizer")),
+    ("after ready, once idle: grammar + text tokenizers, chat template",
+     ("grammar_tokenizer", "text_tokenizer")),
 ]
 _WORKER_ROWS = [
     ("fork (request, fork, child set-up) / spawn", ("process", "forked", "setup")),
@@ -44,10 +44,56 @@ def _cpu_ms(cold: dict[str, Any]) -> str:
     return "-" if cpu is None or cpu != cpu else f"{cpu * 1e3:.0f}"
 
 
+_SERVE_MARKS = ("template_launched", "gateway_up", "template_ready", "worker_ready",
+                "first_token")
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]  # NaN: not measured
+    return statistics.median(xs) if xs else float("nan")
+
+
+def serve_phases(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """`tessera serve`'s start by phase, one column per run label ({label: its trials}): each
+    mark's seconds since exec (median), the gateway process's own CPU at it, the template's
+    CPU at its ready and the whole tree's at the first token."""
+    labels = [label for label, trials in rows.items() if trials]
+    if not labels:
+        return []
+    lines = ["| serve start, median s since exec (gateway's own CPU s then) | "
+             + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for mark in _SERVE_MARKS:
+        cells = []
+        for label in labels:
+            trials = rows[label]
+            wall = _median([t.get("marks_s", {}).get(mark, float("nan")) for t in trials])
+            cpu = _median([t.get("gateway_cpu_s", {}).get(mark, float("nan")) for t in trials])
+            cells.append("-" if wall != wall else f"{wall:.2f}" + (
+                "" if cpu != cpu else f" ({cpu:.2f})"))
+        lines.append(f"| {mark.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    for row, key in (("template's CPU at its ready (s)", "template_cpu_at_ready_s"),
+                     ("process tree's CPU at first token (s)", "cpu_s")):
+        cells = []
+        for label in labels:
+            v = _median([float("nan") if t.get(key) is None else t[key] for t in rows[label]])
+            cells.append("-" if v != v else f"{v:.2f}")
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def report(results: dict[str, Any]) -> str:
-    """The run's tables: start, memory, phases."""
+    """The run's tables: start, memory, phases (or, for a --serve-root run, serve's start by
+    phase per checkout)."""
     lines = [f"load average {results['loadavg_1m']:.1f} on {results['cores']} cores "
              "(1 min, at the start)", ""]
+    if "serve_ab" in results:
+        for variant in ("template", "spawn"):
+            lines += [f"workers from the {variant}:" if variant == "template"
+                      else "workers spawned:", ""]
+            lines += serve_phases({label: runs[variant]
+                                   for label, runs in results["serve_ab"].items()})
+            lines.append("")
+        return "\n".join(lines)
     lines += ["| workers from | cold penalty p50 / p99 (ms) | trials | warm TTFT p50 (ms) | "
               "worker ready p50 (ms) | serve start to first token (s, median) | its CPU (s) |",
               "|---|---|---|---|---|---|---|"]
@@ -88,6 +134,10 @@ def report(results: dict[str, Any]) -> str:
     lines += [f"| {row} | {_ms(forked, names)} | {_ms(spawned, names)} |"
               for row, names in _WORKER_ROWS]
     lines.append(f"| whole start, its own CPU (median) | {_cpu_ms(cold_t)} | {_cpu_ms(cold_s)} |")
+    phases = serve_phases({name: results.get(f"serve_{name}") or []
+                           for name in ("template", "spawn")})
+    if phases:
+        lines += ["", *phases]
     kv = results.get("kv_pool")
     if kv:
         lines.append(f"\nKV pool of {results['kv_bytes'] >> 20} MiB: allocated (lazily "

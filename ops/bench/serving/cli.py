@@ -5,19 +5,22 @@ at every level, so a noisy machine hits them alike), write JSON and a PNG beside
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import os
 import platform
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ops.bench.serving.backends import Backend, GrpcBackend, OpenAIBackend
-from ops.bench.serving.load import Level, run_level
 from ops.bench.serving.metrics import SLO_NAMES, parse_slos, summarize
 from ops.bench.serving.prompts import BenchPrompt, PromptMaker
+
+# NOTE: the load generator and its backends (asyncio, HTTP) are imported when a benchmark
+# runs: every `tessera` command builds this parser, `tessera serve` before its model starts.
+if TYPE_CHECKING:
+    from ops.bench.serving.backends import Backend
+    from ops.bench.serving.load import Level
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -87,6 +90,8 @@ def parse_endpoint(value: str) -> tuple[str, str]:
 
 
 def build_backends(args: argparse.Namespace, max_in_flight: int) -> list[Backend]:
+    from ops.bench.serving.backends import GrpcBackend, OpenAIBackend
+
     if args.backend == "grpc":
         if not args.api_key:
             raise SystemExit("--backend grpc needs --api-key (or $TESSERA_API_KEY)")
@@ -99,6 +104,8 @@ def build_backends(args: argparse.Namespace, max_in_flight: int) -> list[Backend
 
 
 def build_levels(args: argparse.Namespace) -> list[Level]:
+    from ops.bench.serving.load import Level
+
     if args.request_rate:
         if args.concurrency and len(args.concurrency) > 1:
             raise SystemExit("with --request-rate, --concurrency takes one value (the cap)")
@@ -154,6 +161,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_benchmark(args: argparse.Namespace, report: dict[str, Any], out: Path) -> None:
+    from ops.bench.serving.load import run_level
+
     levels = build_levels(args)
     slos = parse_slos(args.slo)
     maker = prompt_maker(args.tokenizer)
@@ -195,6 +204,8 @@ async def run_benchmark(args: argparse.Namespace, report: dict[str, Any], out: P
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
     from ops.bench.serving.plots import plot_runs
     from ops.bench.serving.report import load_runs, markdown_table
 
