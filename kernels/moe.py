@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8 import decode_e4m3_bits
+from kernels.triton.gemm_ref import ref_dequant_fp8_blocks, ref_quant_fp8_groups
 
 
 class ExpertRows(NamedTuple):
@@ -58,21 +59,42 @@ def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return _grouped_moe(x, w13.__getitem__, w2.__getitem__, num_experts, topk_weights, topk_ids)
 
 
+def fp8_activation_round(a: torch.Tensor) -> torch.Tensor:
+    """a [rows, K] through e4m3 per (row, 128 columns) and back, float32: what W8A8's
+    activation quantizer (`fp8_scale`'s rule, as `fp8_block_linear` quantizes x) keeps."""
+    q, s = ref_quant_fp8_groups(a)
+    return ref_dequant_fp8_blocks(q, s, 1)
+
+
 def _grouped_moe(x: torch.Tensor, expert13: Callable[[int], torch.Tensor],
                  expert2: Callable[[int], torch.Tensor], num_experts: int,
-                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The per-expert loop over experts given as functions of their index (dense [N, K])."""
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 fp8_activations: bool = False) -> torch.Tensor:
+    """The per-expert loop over experts given as functions of their index (dense [N, K], in
+    the dtype the matmuls run in). `fp8_activations` (W8A8): each projection's input rounded
+    through e4m3 per (row, 128 columns) (`fp8_activation_round`, the SwiGLU activation first
+    stored in x's dtype), the matmuls in float32, each row times its routing weight stored in
+    x's dtype and the top-k sum in float32: the grouped launches' roundings."""
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0]
     rows = moe_align(topk_ids, num_experts)
     xs = x.index_select(0, rows.tokens)
     ys = torch.empty_like(xs)
+    if fp8_activations:
+        xs = fp8_activation_round(xs)
+        ys = ys.float()
     start = 0
     for expert, n in enumerate(rows.counts):
         if n:
             gate, up = F.linear(xs[start : start + n], expert13(expert)).chunk(2, dim=-1)
-            ys[start : start + n] = F.linear(F.silu(gate) * up, expert2(expert))
+            act = F.silu(gate) * up
+            if fp8_activations:
+                act = fp8_activation_round(act.to(x.dtype))
+            ys[start : start + n] = F.linear(act, expert2(expert))
             start += n
     ys.mul_(topk_weights.reshape(-1).index_select(0, rows.order).to(ys.dtype).unsqueeze(1))
+    if fp8_activations:
+        ys = ys.to(x.dtype).float()
+        return torch.zeros_like(ys[: x.shape[0]]).index_add_(0, rows.tokens, ys).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, rows.tokens, ys)
 
 
@@ -107,27 +129,36 @@ def ref_fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor
                      w13_zeros: torch.Tensor | None, w2: torch.Tensor,
                      w2_scale: torch.Tensor | None, w2_zeros: torch.Tensor | None,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, kind: str = "float",
-                     group_size: int = 0) -> torch.Tensor:
+                     group_size: int = 0, fp8_activations: bool = False) -> torch.Tensor:
     """Twin of the `fused_moe` op: `ref_fused_moe` over experts stored as `kind`
-    (`dequantize_expert`), each used expert dequantized in x's dtype, the others untouched."""
+    (`dequantize_expert`), each used expert dequantized in x's dtype, the others untouched.
+    `fp8_activations` (block-FP8 experts only): W8A8, both projections' inputs rounded through
+    e4m3 per (row, 128 columns) and the matmuls in float32 (`_grouped_moe`); ValueError for
+    another kind."""
+    if fp8_activations and kind != "fp8-block":
+        raise ValueError(f"W8A8 (fp8_activations) takes fp8-block experts, not {kind!r}")
     if kind == "float":
         return ref_fused_moe(x, w13, w2, topk_weights, topk_ids)
+    dtype = torch.float32 if fp8_activations else x.dtype
 
     def expert13(e: int) -> torch.Tensor:
-        return dequantize_expert(w13, w13_scale, w13_zeros, kind, group_size, e).to(x.dtype)
+        return dequantize_expert(w13, w13_scale, w13_zeros, kind, group_size, e).to(dtype)
 
     def expert2(e: int) -> torch.Tensor:
-        return dequantize_expert(w2, w2_scale, w2_zeros, kind, group_size, e).to(x.dtype)
-    return _grouped_moe(x, expert13, expert2, w13.shape[0], topk_weights, topk_ids)
+        return dequantize_expert(w2, w2_scale, w2_zeros, kind, group_size, e).to(dtype)
+    return _grouped_moe(x, expert13, expert2, w13.shape[0], topk_weights, topk_ids,
+                        fp8_activations)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               w13_scale: torch.Tensor | None = None, w13_zeros: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
-              kind: str = "float", group_size: int = 0) -> torch.Tensor:
+              kind: str = "float", group_size: int = 0,
+              fp8_activations: bool = False) -> torch.Tensor:
     """The routed experts' output [T, hidden] through the `fused_moe` op (shapes:
-    `ref_fused_moe`; stored kinds: `dequantize_expert`). CPU runs the twin (one matmul per
-    expert with rows); CUDA the Triton grouped kernel (`kernels/triton/launch_moe.py`)."""
+    `ref_fused_moe`; stored kinds: `dequantize_expert`; `fp8_activations`: W8A8 over
+    block-FP8 experts, `ref_fused_moe_op`). CPU runs the twin (one matmul per expert with
+    rows); CUDA the Triton grouped kernel (`kernels/triton/launch_moe.py`)."""
     return torch.ops.tessera.fused_moe(x, w13, w13_scale, w13_zeros, w2, w2_scale, w2_zeros,
-                                       topk_weights, topk_ids, kind, group_size)
+                                       topk_weights, topk_ids, kind, group_size, fp8_activations)

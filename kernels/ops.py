@@ -153,10 +153,12 @@ OPS: tuple[OpDecl, ...] = (
     # block-FP8 W8A8 (kernels/fp8_block.py): x [M, K], e4m3 bytes [N, K] -> [M, N] in x's dtype
     OpDecl("fp8_block_linear(Tensor x, Tensor weight, Tensor weight_scale) -> Tensor",
            ref_fp8_block_linear, lambda x, w, s: x.new_empty(x.shape[0], w.shape[0])),
-    # routed SwiGLU experts stored as `kind` (kernels/moe.py): x [T, hidden] -> [T, hidden]
+    # routed SwiGLU experts stored as `kind` (kernels/moe.py): x [T, hidden] -> [T, hidden];
+    # fp8_activations: W8A8 over block-FP8 experts
     OpDecl("fused_moe(Tensor x, Tensor w13, Tensor? w13_scale, Tensor? w13_zeros, Tensor w2, "
            "Tensor? w2_scale, Tensor? w2_zeros, Tensor topk_weights, Tensor topk_ids, "
-           "str kind=\"float\", int group_size=0) -> Tensor", ref_fused_moe_op,
+           "str kind=\"float\", int group_size=0, bool fp8_activations=False) -> Tensor",
+           ref_fused_moe_op,
            lambda x, *rest: torch.empty_like(x)),
     # page integrity: a cause code per recorded (page, tag, owner) (kernels/verify_pages.py)
     OpDecl("verify_pages(Tensor page_ids, Tensor expected_page_ids, Tensor expected_tags, "

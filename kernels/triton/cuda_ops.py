@@ -6,8 +6,9 @@ op's torch twin returns: `store_kv_rows` (one cache, in place), `paged_decode_at
 which the kernel applies itself) and `verify_pages` (a cause per entry: each entry checked as a
 one-page sequence); the weight ops `w4a16_linear` (INT4 tiles, split-K by shape),
 `fp8_block_linear` (the activation quantizer, then the block-FP8 matmul) and `fused_moe` (two
-grouped launches). Registered once, and only where triton is installed; triton itself is
-imported on the first launch, never here.
+grouped launches; W8A8 with the activation quantizer before each for block-FP8 experts).
+Registered once, and only where triton is installed; triton itself is imported on the first
+launch, never here.
 
 `interpreted_weight_kernels()` registers the weight adapters as the CPU kernels for a while, so
 the engine runs its Triton weight paths on CPU tensors in Triton's interpreter (tests, and
@@ -93,10 +94,12 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor,
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
               w13_zeros: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None,
               w2_zeros: torch.Tensor | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              kind: str = "float", group_size: int = 0) -> torch.Tensor:
+              kind: str = "float", group_size: int = 0,
+              fp8_activations: bool = False) -> torch.Tensor:
     gate_up = launch_moe.ExpertWeights(w13, kind, w13_scale, w13_zeros, group_size)
     down = launch_moe.ExpertWeights(w2, kind, w2_scale, w2_zeros, group_size)
-    return launch_moe.fused_moe(x.contiguous(), gate_up, down, topk_weights, topk_ids)
+    return launch_moe.fused_moe(x.contiguous(), gate_up, down, topk_weights, topk_ids,
+                                fp8_activations=fp8_activations)
 
 
 # op name -> its adapter, in the op's schema order

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,8 +37,10 @@ def _jit() -> Any:
     return w4a16, fp8_block
 
 
+@functools.cache
 def _interpreted() -> bool:
-    """TRITON_INTERPRET=1: the kernels widen dot operands to fp32 (see `_group_dot`)."""
+    """TRITON_INTERPRET=1: the kernels widen dot operands to fp32 (see `_group_dot`). Read
+    once: the mode is fixed when triton is imported (an environment read costs ~1 us a call)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -77,6 +81,32 @@ def w4a16_num_splits(m: int, n: int, k: int, sms: int) -> int:
     return splits
 
 
+class W4A16Plan(NamedTuple):
+    """What a W4A16 launch of one shape needs besides its tensors (`w4a16_plan`)."""
+
+    cfg: Mapping[str, int]  # `w4a16_config`, read-only (the plan is shared)
+    step: int  # weights per K-loop step
+    per_split: int  # K steps per split
+    splits: int
+    grid: tuple[int, int]
+
+
+@functools.lru_cache(maxsize=4096)
+def w4a16_plan(m: int, n: int, k: int, group_size: int, sms: int,
+               split_k: int | None = None) -> W4A16Plan:
+    """The tile config, split-K and grid of an [m, k] x [k, n] launch, computed once per
+    shape: a decode step calls every linear's launcher at the same few shapes, and the
+    host time of this arithmetic is paid by every eager launch (a replayed graph pays none)."""
+    cfg = w4a16_config(m)
+    step = max(K_STEP, group_size)
+    steps = -(-k // step)
+    splits = split_k or w4a16_num_splits(m, n, k, sms)
+    per_split = -(-steps // splits)
+    splits = -(-steps // per_split)
+    grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]), splits)
+    return W4A16Plan(MappingProxyType(cfg), step, per_split, splits, grid)
+
+
 def _out_buffer(out: torch.Tensor | None, m: int, n: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     if out is None:
@@ -110,12 +140,8 @@ def w4a16_linear(x: torch.Tensor, w: Int4Tiles, out_dtype: torch.dtype | None = 
     y = _out_buffer(out, m, n, out_dtype, x.device)
     if m == 0:
         return y.view(*lead, n)
-    cfg = w4a16_config(m)
-    step = max(K_STEP, w.group_size)
-    steps = -(-k // step)
-    splits = split_k or w4a16_num_splits(m, n, k, num_sms(x.device))
-    per_split = -(-steps // splits)
-    splits = -(-steps // per_split)
+    cfg, step, per_split, splits, grid = w4a16_plan(m, n, k, w.group_size, num_sms(x.device),
+                                                    split_k)
     target = y
     if splits > 1:
         if workspace is None:
@@ -123,7 +149,6 @@ def w4a16_linear(x: torch.Tensor, w: Int4Tiles, out_dtype: torch.dtype | None = 
         assert workspace.shape[0] >= splits and workspace.shape[1:] == (m, n), workspace.shape
         assert workspace.dtype == torch.float32 and workspace.is_contiguous()
         workspace = target = workspace[:splits]
-    grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]), splits)
     w4a16.w4a16_kernel[grid](
         target, x2, w.qt, w.d, w.offset if w.offset is not None else w.d,
         m, n, k, w.d.shape[0], per_split,

@@ -10,6 +10,7 @@ per batch bucket. triton is imported on first launch, never at import time.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -33,7 +34,9 @@ def _quantizer() -> Any:
     return quant_fp8_groups
 
 
+@functools.cache
 def _interpreted() -> bool:
+    """Read once: the interpreter mode is fixed when triton is imported."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

@@ -16,6 +16,9 @@ is rotated back after decoding, and `store_kv` rotates what it writes into the r
 rotated pages. Both ends run one build, so a quantized payload copied byte for byte is rotated
 on both sides or on neither; it is copied only when both sides' format and smoothing are the
 same, else decoded, unsmoothed and written again.
+
+MLA latent pages (no V, never rotated or smoothed) have their own payload:
+`runtime/disagg/latent.py`; `gather_payload` and `write_payload` pick it from the cache's spec.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ import torch
 
 from kernels import dequantize_kv, store_kv
 from kernels.hadamard import fwht
+from runtime.disagg.latent import (
+    gather_latent_payload,
+    latent_token_bytes_per_layer,
+    write_latent_payload,
+)
 from runtime.formats import QUANTIZED_KV_FORMATS
 from runtime.kv.cache import STORAGE_DTYPES, KVCache, KVCacheSpec, LayerKV, quantized_pages_rotated
 
@@ -33,6 +41,15 @@ def token_bytes_per_layer(fmt: str, num_kv_heads: int, head_dim: int) -> int:
     elem = STORAGE_DTYPES[fmt].itemsize
     scales = 2 * 2 * num_kv_heads if fmt in QUANTIZED_KV_FORMATS else 0
     return 2 * num_kv_heads * head_dim * elem + scales
+
+
+def page_token_bytes_per_layer(spec: KVCacheSpec) -> int:
+    """Payload bytes of one token in one layer of `spec`'s pages (K/V or an MLA latent row),
+    without the per-layer smoothing."""
+    fmt = spec.format.name
+    if spec.latent:
+        return latent_token_bytes_per_layer(fmt, spec.head_dim, spec.rope_dim)
+    return token_bytes_per_layer(fmt, spec.num_kv_heads, spec.head_dim)
 
 
 def smoothing_bytes_per_layer(fmt: str, num_kv_heads: int, head_dim: int) -> int:
@@ -55,6 +72,8 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 def gather_payload(cache: KVCache, layers: tuple[int, int], slots: torch.Tensor) -> bytes:
     """The payload for `slots` (flat page_id * page_size + offset, in token order)."""
     spec = cache.spec
+    if spec.latent:
+        return gather_latent_payload(cache, layers, slots)
     heads, dim = spec.num_kv_heads, spec.head_dim
     slots = slots.to(cache.k.device)
     parts: list[bytes] = []
@@ -74,6 +93,9 @@ def write_payload(cache: KVCache, payload: bytes, src_format: str, layers: tuple
 
     Raises ValueError when the payload's size does not match its layers and tokens."""
     spec: KVCacheSpec = cache.spec
+    if spec.latent:
+        write_latent_payload(cache, payload, src_format, layers, slots)
+        return
     heads, dim, n = spec.num_kv_heads, spec.head_dim, int(slots.numel())
     smooth_bytes = smoothing_bytes_per_layer(src_format, heads, dim)
     per_layer = token_bytes_per_layer(src_format, heads, dim) * n + smooth_bytes

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from runtime.disagg import frames as wire
-from runtime.disagg.codec import gather_payload, token_bytes_per_layer
+from runtime.disagg.codec import gather_payload, page_token_bytes_per_layer
 from runtime.disagg.metrics import TransferCounters
 from runtime.engine import LLMEngine
 from runtime.errors import InvalidArgument, KVIntegrityViolation
@@ -93,11 +93,11 @@ class KVExport:
         rid = seq.request_id
         yield self._emit(wire.begin_frame(
             rid, num_tokens=num_tokens, page_size=ps, kv_format=fmt, num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            first_token=self.first_token, first_page=first_page,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, latent=spec.latent,
+            rope_dim=spec.rope_dim, first_token=self.first_token, first_page=first_page,
             **handover_state(seq)), fault)
         seq_no = 1
-        page_layer_bytes = token_bytes_per_layer(fmt, spec.num_kv_heads, spec.head_dim) * ps
+        page_layer_bytes = page_token_bytes_per_layer(spec) * ps
         for layers, pages in _chunks(spec.num_layers, first_page, num_pages, page_layer_bytes,
                                      max_frame_bytes):
             self._verify()  # between frames the engine may have run: pages must still be ours

@@ -5,11 +5,14 @@ Torch-free. One transfer moves one request's KV from a prefill engine to a decod
     begin (seq 0): request id, prompt length, page size, KV format and shape, first sampled
                    token, first logical page sent (the decode side may hold the ones before),
                    the seeded generator's state after the first draw (bytes or nil) and the
-                   first token's logprobs ([[token id, logprob], ...] or nil)
+                   first token's logprobs ([[token id, logprob], ...] or nil); for MLA models
+                   `latent` true, num_kv_heads 1, head_dim the latent's width and rope_dim its
+                   RoPE part
     pages (seq 1..n): a layer range [lo, hi) and logical page positions, and a payload holding,
                    per layer, K then V of the valid tokens of those pages ([kv_heads, tokens,
                    head_dim] in the sender's KV format; fp8 and int8 add K then V scales,
-                   bf16 [kv_heads, tokens], and the sender's smoothing)
+                   bf16 [kv_heads, tokens], and the sender's smoothing); MLA latent pages send
+                   one row per token instead (runtime/disagg/latent.py)
     end (seq n+1): the number of page frames sent
 
 Positions are logical (page i of the request), never physical page ids: the receiver maps
@@ -113,12 +116,14 @@ def _check_pages_header(frame: Frame) -> None:
 
 def begin_frame(request_id: str, *, num_tokens: int, page_size: int, kv_format: str,
                 num_layers: int, num_kv_heads: int, head_dim: int, first_token: int,
-                first_page: int, generator_state: bytes | None = None,
+                first_page: int, latent: bool = False, rope_dim: int = 0,
+                generator_state: bytes | None = None,
                 first_logprobs: list[list[float]] | None = None) -> Frame:
     return Frame("begin", request_id, 0, {
         "num_tokens": num_tokens, "page_size": page_size, "format": kv_format,
         "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-        "first_token": first_token, "first_page": first_page,
+        "latent": latent, "rope_dim": rope_dim, "first_token": first_token,
+        "first_page": first_page,
         "generator_state": generator_state, "first_logprobs": first_logprobs})
 
 

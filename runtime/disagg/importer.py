@@ -157,7 +157,8 @@ class KVImport:
         h, spec = frame.header, self.engine.kv_cache.spec
         want = {"num_tokens": len(self.prompt_ids), "page_size": self.engine.pool.page_size,
                 "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
-                "head_dim": spec.head_dim, "first_page": self.first_page}
+                "head_dim": spec.head_dim, "latent": spec.latent, "rope_dim": spec.rope_dim,
+                "first_page": self.first_page}
         wrong = [k for k, v in want.items() if h.get(k) != v]
         if wrong or h.get("format") not in KV_FORMATS:
             self._fail("malformed", f"begin frame disagrees on {', '.join(wrong) or 'format'}")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kernels.moe import FP8_EXPERT_BLOCK, dequantize_expert, fused_moe
+from kernels.ops import has_device_kernel
 from runtime.errors import InvalidArgument
 from runtime.formats import WeightFormat
 from runtime.quant.fp8 import expand_block_rows, quantize_fp8_blockwise, quantize_fp8_per_channel
@@ -62,7 +63,10 @@ def quantize_expert_stack(w: torch.Tensor, fmt: WeightFormat, name: str
 class QuantizedExperts(nn.Module):
     """`runtime.models.moe.FusedExperts` with its two stacks in `kind` ("fp8-block" or
     "int4"): w13 [E, 2 * inter, hidden] and w2 [E, hidden, inter] as stored, with their scales
-    (and zero points); forward is the `fused_moe` op."""
+    (and zero points); forward is the `fused_moe` op. Block-FP8 experts run W8A8 (x and the
+    SwiGLU activation quantized per (row, 128 columns), SGLang's form for DeepSeek-V3) where
+    the device has a `fused_moe` kernel of its own, as `Fp8Linear` runs `fp8_block_linear`
+    there, and W8A16 (dequantize, then matmul in x's dtype) elsewhere."""
 
     def __init__(self, kind: str, group_size: int,
                  w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
@@ -73,6 +77,14 @@ class QuantizedExperts(nn.Module):
             self.register_buffer(prefix, weight)
             self.register_buffer(f"{prefix}_scale", scale)
             self.register_buffer(f"{prefix}_zeros", zeros)
+        self.prepare_for_device()
+
+    def prepare_for_device(self) -> None:
+        """Whether forward runs W8A8 (`fp8_activations`) on the device the experts are on now:
+        block-FP8 experts where it has the grouped kernel (once, at load:
+        `runtime.quant.prepare.prepare_weights`)."""
+        self.fp8_activations = (self.kind == "fp8-block"
+                                and has_device_kernel("fused_moe", self.w13.device))
 
     @classmethod
     def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, fmt: WeightFormat,
@@ -91,9 +103,11 @@ class QuantizedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w13_zeros,
-                         self.w2_scale, self.w2_zeros, self.kind, self.group_size)
+                         self.w2_scale, self.w2_zeros, self.kind, self.group_size,
+                         self.fp8_activations)
 
     def extra_repr(self) -> str:
         e, n, _ = self.w13.shape
         kind = self.kind if self.kind != "int4" else f"int4 g{self.group_size}"
+        kind += " W8A8" if self.fp8_activations else ""
         return f"experts={e}, w13 rows={n}, {kind}"

@@ -1,7 +1,8 @@
 """The per-device weight prepare hook: once a model is on its device, each quantized module
 takes the layout that device's kernels read (`Int4Linear` repacks to the GPU tiles where the
 device has `w4a16_linear`, `Fp8Linear` picks the block-FP8 kernel where it has
-`fp8_block_linear`). Runs once at load, never per call."""
+`fp8_block_linear`, block-FP8 `QuantizedExperts` run W8A8 where it has `fused_moe`). Runs
+once at load, never per call."""
 
 from __future__ import annotations
 

@@ -124,3 +124,36 @@ def test_the_interpreter_switch_makes_the_weight_adapters_the_cpu_kernels_for_a_
                 cuda_ops.twin_weight_kernels():
             pass
     assert not any(has_device_kernel(name, cpu) for name in cuda_ops.WEIGHT_KERNELS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_adapter_runs_w8a8_block_fp8_experts_as_the_twin_does(dtype):
+    """fp8_activations: both projections' inputs quantized per (row, 128 columns) by the
+    activation quantizer; the twin rounds the same inputs (a code may flip where the SwiGLU
+    activation, summed in another order, sits at a rounding tie: 1e-3 of the largest output;
+    bf16: the interpreter truncates fp32 -> bf16 at each of the three stores, the activation,
+    the weighted rows and the sum, 2**-5). The flag is not ignored: W8A16 is further away."""
+    gen = torch.Generator().manual_seed(11)
+    (w13, s13, _), (w2, s2, _) = _experts("fp8-block", gen, e=4, hidden=192, inter=96)
+    x = torch.randn(9, 192, generator=gen).to(dtype)
+    ids = torch.randint(0, 3, (9, 2), generator=gen)  # expert 3: no row
+    weights = torch.rand(9, 2, generator=gen)
+    args = (w13, s13, None, w2, s2, None, weights, ids, "fp8-block", 0)
+    moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in (x, *args)]
+    got = cuda_ops.fused_moe(*moved, fp8_activations=True).cpu()
+    want = twin_ops().fused_moe(x, *args, fp8_activations=True)
+    w8a16 = twin_ops().fused_moe(x, *args)
+    assert got.dtype == want.dtype == dtype
+    bound = (2**-5 if dtype == torch.bfloat16 else 1e-3) * float(want.float().abs().max())
+    err = float((got.float() - want.float()).abs().max())
+    assert err <= bound, f"max |err| {err:.3g} > {bound:.3g}"
+    assert float((w8a16.float() - want.float()).abs().max()) > 2 * max(err, 1e-6)
+
+
+def test_the_twin_refuses_w8a8_for_experts_that_are_not_block_fp8():
+    gen = torch.Generator().manual_seed(12)
+    (w13, s13, z13), (w2, s2, z2) = _experts("int4", gen)
+    x, ids = torch.randn(2, 64, generator=gen), torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="fp8-block"):
+        twin_ops().fused_moe(x, w13, s13, z13, w2, s2, z2, torch.rand(2, 2), ids, "int4", 32,
+                             fp8_activations=True)

@@ -2,7 +2,8 @@
 random Qwen3-MoE, GLM-4-MoE and DeepSeek-V3 checkpoints (tests/runtime/moe_models.py) served
 with block-FP8 prefill weights and INT4-g32 decode weights give the greedy tokens of the same
 engine on the ops' torch twins. Each phase runs its own kernels: prefill the W8A8 block-FP8
-matmul (`fp8_block_linear`) and block-FP8 experts, decode the W4A16 matmul over INT4 tiles
+matmul (`fp8_block_linear`) and W8A8 block-FP8 experts (x and the SwiGLU activation quantized
+per (row, 128 columns) before each grouped launch), decode the W4A16 matmul over INT4 tiles
 (repacked once at load) and INT4 experts, both through the grouped fused-MoE launches.
 
 The switch (`interpreted_weight_kernels`) makes the Triton launchers the ops' CPU kernels while
@@ -44,6 +45,7 @@ def _serve(path, switch) -> tuple[LLM, list[list[int]]]:
 def _counted(launches: Counter, name: str, fn):
     def counted(*args, **kwargs):
         launches[name] += 1
+        launches[name + " w8a8"] += bool(kwargs.get("fp8_activations"))
         return fn(*args, **kwargs)
     return counted
 
@@ -68,12 +70,15 @@ def test_triton_weight_kernels_give_the_twins_tokens_with_fp8_prefill_and_int4_d
     # each phase ran its kernels: fp8 in the prefill step, int4 in the two decode steps
     assert launches["fp8_block_linear"] > 0 and launches["w4a16_linear"] > 0
     assert launches["fused_moe"] >= 3 * 2  # >= 2 sparse layers a model, one prefill + 2 decodes
+    # the prefill step's experts ran W8A8, each sparse layer once; the decode steps' INT4 never
+    assert 2 <= launches["fused_moe w8a8"] == launches["fused_moe"] // 3
     engine = llm.engine
     pre, dec = engine.prefill_model, engine.decode_model
     int4 = [m for m in dec.modules() if isinstance(m, Int4Linear)]
     fp8 = [m for m in pre.modules() if isinstance(m, Fp8Linear)]
     assert int4 and all(m.layout == "int4_tiles" for m in int4)
     assert fp8 and all(m.block_kernel for m in fp8)
-    kinds = {m.kind for m in pre.modules() if isinstance(m, QuantizedExperts)}
-    assert kinds == {"fp8-block"}
-    assert {m.kind for m in dec.modules() if isinstance(m, QuantizedExperts)} == {"int4"}
+    kinds = {(m.kind, m.fp8_activations) for m in pre.modules() if isinstance(m, QuantizedExperts)}
+    assert kinds == {("fp8-block", True)}
+    kinds = {(m.kind, m.fp8_activations) for m in dec.modules() if isinstance(m, QuantizedExperts)}
+    assert kinds == {("int4", False)}
