@@ -334,7 +334,9 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
     # a native build or a first-use cost on a client's request (an adopted engine has paid).
     started = time.monotonic()
     if not adopted:
-        engine.warm_up()
+        # NOTE: first-use costs (~0.55 s of CPU) wait until the worker is idle after it reports
+        # ready, as an idle template's finish_load does: a plain first request never needs them
+        engine.warm_up(first_use=False)
         marks["warm_up"] = time.monotonic()
     native_ops = native_status() if engine.device.type == "cpu" else ""
     log.info("worker warmed up", worker=worker_id, native_ops=native_ops,
@@ -343,7 +345,7 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
     if not gc.isenabled():  # NOTE: a spawned worker started without it (top of this file)
         gc.freeze()
         gc.enable()
-    llm = AsyncLLM(engine)
+    llm = AsyncLLM(engine, when_idle=None if adopted else engine.prepare_first_use)
     if group is not None:
         group.stop_with_engine(llm)
     served = _served(engine, args.model, worker_id, args.served_model_name)

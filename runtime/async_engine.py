@@ -84,8 +84,11 @@ class LoopFault(BaseException):
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, when_idle: Callable[[], Any] | None = None) -> None:
+        """`when_idle`: run once on the engine thread after its first wait with nothing to do
+        (0.5 s), e.g. first-use costs a spawned worker leaves until after it reports ready."""
         self.engine = engine
+        self._when_idle = when_idle
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             queue.SimpleQueue())
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _OutputSlot]] = {}
@@ -239,10 +242,21 @@ class AsyncLLM:
                 # NOTE: once idle for a whole wait, the heap the steps freed goes back to the
                 # OS (glibc keeps it otherwise: ~20 MB after one 200-token request); never
                 # between back-to-back requests, where it would delay the next one.
-                if not self._wake.wait(timeout=0.5) and self._stepped:
-                    self._stepped = False
-                    self.engine.release_idle_memory()
-                    release_free_heap()
+                if not self._wake.wait(timeout=0.5):
+                    self._on_idle()
+
+    def _on_idle(self) -> None:
+        if self._when_idle is not None:
+            fn, self._when_idle = self._when_idle, None
+            try:
+                fn()
+            except Exception:  # a first-use cost left for later must not end the loop
+                log.exception("idle task failed; what it prepares is made on first use")
+            self._stepped = True  # its transient buffers go back below
+        if self._stepped:
+            self._stepped = False
+            self.engine.release_idle_memory()
+            release_free_heap()
 
     def _pass(self) -> None:
         self._run_commands()

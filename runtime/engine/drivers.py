@@ -50,12 +50,13 @@ class Drivers:
         assert logits.shape[0] == len(token_ids), (logits.shape, len(token_ids))
         return logits
 
-    def warm_up(self) -> None:
+    def warm_up(self, *, first_use: bool = True) -> None:
         """Run one short request through prefill and decode (and every format's path), so
         native ops are built or loaded and first-use costs are paid before any client waits.
-        Shorter than a page: it leaves nothing in the prefix cache."""
-        self.grammars.prepare()
-        self.tokenizer.prepare()
+        Shorter than a page: it leaves nothing in the prefix cache. `first_use=False` leaves
+        `prepare_first_use` to the caller (a worker runs it once idle after reporting ready)."""
+        if first_use:
+            self.prepare_first_use()
         rid = "__warm_up__"
         prompt = list(range(1, min(4, self.pool.page_size - 2) + 1))
         self.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0,
@@ -65,6 +66,13 @@ class Drivers:
             # after a request was served eagerly (issue 31): every kernel is built and loaded
             self.runner.graphs.capture()
         release_free_heap()  # the grammar tokenizer's and the step's transient buffers
+
+    def prepare_first_use(self) -> None:
+        """Build what a plain request never needs but a structured-output or chat request does
+        on first use: llguidance's tokenizer (~0.4 s of CPU with the default model), the
+        tokenizer's plain-text backend and chat template (~0.15 s). Idempotent."""
+        self.grammars.prepare()
+        self.tokenizer.prepare()
 
     def _run_until_done(self, request_id: str) -> None:
         """Step until `request_id` is no longer in flight; its error, if any, is raised."""

@@ -322,3 +322,33 @@ def test_the_heap_is_trimmed_once_after_the_loop_goes_idle_and_not_while_idle(en
         assert len(trims) == 1
     finally:
         front.shutdown()
+
+
+def test_when_idle_runs_once_on_the_engine_thread_beside_requests(engine) -> None:
+    ran: list[str] = []
+    front = AsyncLLM(engine, when_idle=lambda: ran.append(threading.current_thread().name))
+    try:
+        first = run(lambda: collect(front, PROMPTS[0], GREEDY))
+        assert first[-1].finished
+        deadline = time.monotonic() + 30
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ran == ["tessera-engine"]
+        run(lambda: collect(front, PROMPTS[1], GREEDY))
+        time.sleep(1.2)  # two more idle waits
+        assert ran == ["tessera-engine"]
+    finally:
+        front.shutdown()
+
+
+def test_a_failing_when_idle_task_leaves_the_loop_serving(engine) -> None:
+    def boom() -> None:
+        raise RuntimeError("planted")
+    front = AsyncLLM(engine, when_idle=boom)
+    try:
+        time.sleep(1.0)  # the idle wait passes and boom runs
+        assert front.liveness().error is None and front.is_alive
+        outs = run(lambda: collect(front, PROMPTS[2], GREEDY))
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == GREEDY.max_tokens
+    finally:
+        front.shutdown()
