@@ -26,6 +26,7 @@ from runtime.heap import release_free_heap
 from runtime.input_processor import ProcessedPrompt, Prompt
 from runtime.outputs import EngineCoreOutput, OutputAccumulator, RequestOutput
 from runtime.sampling_params import SamplingParams
+from runtime.step_times import EngineTimes
 
 log = logging.getLogger("tessera.async_engine")
 
@@ -37,6 +38,7 @@ class EngineSnapshot:
     stats: EngineStats
     integrity_checks: int
     integrity_mismatches: int
+    times: EngineTimes  # where the loop's time went, as of that pass (a copy)
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,8 @@ class AsyncLLM:
             log.critical("engine loop ended: %s", self._fatal, exc_info=True)
 
     def _loop(self) -> None:
+        times = self.engine.times
+        cpu_at = time.thread_time()
         while not self._stop:
             self._wake.clear()
             self._pass_started_at = time.monotonic()
@@ -234,18 +238,27 @@ class AsyncLLM:
             finally:
                 self._last_pass_at = time.monotonic()
                 self._pass_started_at = None
+            cpu_now = time.thread_time()
+            times.loop_cpu_s += cpu_now - cpu_at
+            cpu_at = cpu_now
             self.snapshot = self._take_snapshot()
             if not self.engine.has_unfinished_requests() and self._commands.empty():
                 # NOTE: once idle for a whole wait, the heap the steps freed goes back to the
                 # OS (glibc keeps it otherwise: ~20 MB after one 200-token request); never
                 # between back-to-back requests, where it would delay the next one.
-                if not self._wake.wait(timeout=0.5) and self._stepped:
+                idle_from = time.perf_counter()
+                woken = self._wake.wait(timeout=0.5)
+                times.idle_s += time.perf_counter() - idle_from
+                if not woken and self._stepped:
                     self._stepped = False
                     self.engine.release_idle_memory()
                     release_free_heap()
 
     def _pass(self) -> None:
+        times = self.engine.times
+        started = time.perf_counter()
         self._run_commands()
+        times.commands_s += time.perf_counter() - started
         if not self.engine.has_unfinished_requests():
             return
         self._stepped = True
@@ -254,7 +267,9 @@ class AsyncLLM:
         except Exception:  # the engine already failed the step's requests; keep serving
             log.exception("engine step raised")
             return
+        started = time.perf_counter()
         self._publish(outputs)
+        times.publish_s += time.perf_counter() - started
 
     def _run_commands(self) -> None:
         while True:
@@ -291,4 +306,5 @@ class AsyncLLM:
 
     def _take_snapshot(self) -> EngineSnapshot:
         counters = self.engine.tracker.counters
-        return EngineSnapshot(self.engine.stats(), counters.checks_run, counters.num_mismatches)
+        return EngineSnapshot(self.engine.stats(), counters.checks_run, counters.num_mismatches,
+                              self.engine.times.copy())
