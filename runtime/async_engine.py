@@ -80,6 +80,12 @@ class _OutputSlot:
         return self.accumulator.add(delta)
 
 
+def _push_all(pushes: list[tuple[_OutputSlot, EngineCoreOutput]]) -> None:
+    """On a consumer's event loop: one step's outputs into their slots."""
+    for slot, out in pushes:
+        slot.push(out)
+
+
 class LoopFault(BaseException):
     """Drills only (runtime.faults): ends the engine thread as a fatal bug would. A
     BaseException so that the loop's own `except Exception` does not keep it alive."""
@@ -292,17 +298,21 @@ class AsyncLLM:
                 fut.set_result(result)
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each consumer's event loop
+        per step, not one per request (each wake-up takes a core from the next step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_OutputSlot, EngineCoreOutput]]] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
-            if target is None:
-                continue
-            loop, slot = target
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, pushes in by_loop.items():
             try:
-                loop.call_soon_threadsafe(slot.push, out)
+                loop.call_soon_threadsafe(_push_all, pushes)
             except RuntimeError:  # the caller's event loop is closed: nobody listens
-                del self._streams[out.request_id]
-                self.engine.abort_request_core(out.request_id,
-                                               RequestCancelled("the client went away"))
+                for _, out in pushes:
+                    del self._streams[out.request_id]
+                    self.engine.abort_request_core(out.request_id,
+                                                   RequestCancelled("the client went away"))
 
     def _take_snapshot(self) -> EngineSnapshot:
         counters = self.engine.tracker.counters
