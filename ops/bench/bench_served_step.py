@@ -160,12 +160,14 @@ def account(before: dict[str, float], after: dict[str, float], wall_s: float,
     # NOTE: the rest is the loop waiting for work (or between passes): nothing steps outside
     # a level, while the idle counter also runs between levels (the gauges lag 2 s).
     wall["engine_waiting"] = max(0.0, wall_s - sum(wall.values()))
-    engine_thread = d.get("loop_seconds.cpu", 0.0)
+    if not any(k.startswith("steps.") for k in after):  # a tree whose workers count nothing
+        wall = {k: None for k in wall}
+    engine_thread = d.get("loop_seconds.cpu")
     workers = d.get("cpu.workers", 0.0)
     main_thread = d.get("cpu.workers_main_thread", 0.0)
     cpu = {"gateway": d.get("cpu.gateway", 0.0), "worker_engine_thread": engine_thread,
            "worker_servicer_thread": main_thread,
-           "worker_other_threads": workers - engine_thread - main_thread,
+           "worker_other_threads": workers - (engine_thread or 0.0) - main_thread,
            "client": d.get("cpu.client", 0.0)}
     steps = {}
     for kind in ("decode", "mixed"):
@@ -178,9 +180,10 @@ def account(before: dict[str, float], after: dict[str, float], wall_s: float,
                        "mean_prefill_tokens": d.get(f"step_tokens.{kind}.prefill", 0.0) / n
                        if n else None}
     return {"wall_s": wall_s, "output_tokens": tokens,
-            "wall_ms_per_token": {k: v * per for k, v in wall.items()},
-            "cpu_ms_per_token": {k: v * per for k, v in cpu.items()},
-            "cpu_utilisation": sum(cpu.values()) / wall_s / (os.cpu_count() or 1),
+            "wall_ms_per_token": {k: None if v is None else v * per for k, v in wall.items()},
+            "cpu_ms_per_token": {k: None if v is None else v * per for k, v in cpu.items()},
+            "cpu_utilisation": sum(v or 0.0 for v in cpu.values()) / wall_s
+            / (os.cpu_count() or 1),
             "steps": steps}
 
 
@@ -266,10 +269,10 @@ def table(results: dict[str, Any], reference: dict[str, float]) -> str:
             lines.append(
                 f"| {label} | {c} | {r['output_tok_s']:.1f} | {f(r['tpot_p50_ms'], '.0f')} | "
                 f"{1e3 * r['wall_s'] / max(1, r['output_tokens']):.2f} | "
-                + " | ".join(f"{w[p]:.2f}" for p in parts)
+                + " | ".join(f(w[p], ".2f") for p in parts)
                 + f" | {f(dec['mean_ms'])} ({f(dec['mean_decode_rows'])}) | {f(mix['mean_ms'])}"
                 f" ({f(mix['mean_prefill_tokens'], '.0f')} + {f(mix['mean_decode_rows'])}) | "
-                f"{f(ref)} | " + " / ".join(f"{r['cpu_ms_per_token'][k]:.2f}" for k in cpus)
+                f"{f(ref)} | " + " / ".join(f(r["cpu_ms_per_token"][k], ".2f") for k in cpus)
                 + " |")
     return "\n".join(lines)
 
