@@ -56,6 +56,21 @@ WORKER_TRANSFER_FAILURES = Gauge("tessera_worker_kv_transfer_failures", "Failed 
                                  "cause (checksum, sequence, malformed, incomplete, deadline, "
                                  "cancelled, sender, stale_tag, ...)",
                                  ["model", "worker", "direction", "cause"])
+# Where each worker's engine time went (runtime/step_times.py): totals since it started.
+WORKER_STEPS = Gauge("tessera_worker_engine_steps", "Engine steps by kind (decode: every "
+                     "sequence fed one token; mixed: with a prefill chunk)",
+                     ["model", "worker", "kind"])
+WORKER_STEP_SECONDS = Gauge("tessera_worker_engine_step_seconds", "Engine step time by kind "
+                            "and part (compute: the model and sampler; host: the rest of the "
+                            "step)", ["model", "worker", "kind", "part"])
+WORKER_STEP_TOKENS = Gauge("tessera_worker_engine_step_tokens", "Tokens fed to engine steps by "
+                           "step kind and token kind (decode, prefill)",
+                           ["model", "worker", "kind", "tokens"])
+WORKER_LOOP_SECONDS = Gauge("tessera_worker_engine_loop_seconds", "The engine loop's time "
+                            "outside steps (commands, publish, idle) and its thread's CPU time "
+                            "(cpu)", ["model", "worker", "part"])
+_STEP_KINDS = ("decode", "mixed")
+_LOOP_PARTS = ("commands", "publish", "idle", "cpu")
 _TRANSFER_KINDS = ("transfers", "frames", "pages", "bytes", "pending", "waiting")
 _failure_labels: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
@@ -71,6 +86,8 @@ def record_worker_status(model: str, s: Any) -> None:
         WORKER_SEQS.labels(model, w, state).set(n)
     for kind, n in (("checks", s.integrity_checks), ("mismatches", s.integrity_mismatches)):
         WORKER_INTEGRITY.labels(model, w, kind).set(n)
+    if s.HasField("times"):
+        _record_engine_times(model, w, s.times)
     if s.role in ("prefill", "decode"):
         direction, t = ("export", s.exported) if s.role == "prefill" else ("import", s.imported)
         for kind in _TRANSFER_KINDS:
@@ -79,6 +96,20 @@ def record_worker_status(model: str, s: Any) -> None:
         for cause, n in t.failures.items():
             WORKER_TRANSFER_FAILURES.labels(model, w, direction, cause).set(n)
             _failure_labels.setdefault((model, w), set()).add((direction, cause))
+
+
+def _record_engine_times(model: str, w: str, times: Any) -> None:
+    """times: a worker.proto EngineTimes."""
+    for kind in _STEP_KINDS:
+        t = getattr(times, kind)
+        WORKER_STEPS.labels(model, w, kind).set(t.steps)
+        WORKER_STEP_SECONDS.labels(model, w, kind, "compute").set(t.compute_s)
+        WORKER_STEP_SECONDS.labels(model, w, kind, "host").set(max(0.0, t.wall_s - t.compute_s))
+        WORKER_STEP_TOKENS.labels(model, w, kind, "decode").set(t.decode_rows)
+        WORKER_STEP_TOKENS.labels(model, w, kind, "prefill").set(t.prefill_tokens)
+    for part, value in zip(_LOOP_PARTS, (times.commands_s, times.publish_s, times.idle_s,
+                                         times.loop_cpu_s), strict=True):
+        WORKER_LOOP_SECONDS.labels(model, w, part).set(value)
 
 
 def forget_worker(model: str, worker: str) -> None:
@@ -90,6 +121,18 @@ def forget_worker(model: str, worker: str) -> None:
                 gauge.remove(model, worker, state)
             except KeyError:
                 pass
+    for kind in _STEP_KINDS:
+        with contextlib.suppress(KeyError):
+            WORKER_STEPS.remove(model, worker, kind)
+        for part in ("compute", "host"):
+            with contextlib.suppress(KeyError):
+                WORKER_STEP_SECONDS.remove(model, worker, kind, part)
+        for tokens in ("decode", "prefill"):
+            with contextlib.suppress(KeyError):
+                WORKER_STEP_TOKENS.remove(model, worker, kind, tokens)
+    for part in _LOOP_PARTS:
+        with contextlib.suppress(KeyError):
+            WORKER_LOOP_SECONDS.remove(model, worker, part)
     for direction in ("export", "import"):
         for kind in _TRANSFER_KINDS:
             with contextlib.suppress(KeyError):

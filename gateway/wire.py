@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway._proto.tessera.v1 import gateway_pb2 as pb
+from gateway._proto.tessera.v1 import worker_pb2 as wpb
 from runtime.errors import ContextLengthExceeded, InvalidArgument, bounded
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
+from runtime.step_times import EngineTimes, StepTotals
 from runtime.structured_output import StructuredOutput
 
 # The metadata key (gRPC) and header (HTTP) that pins a client's requests to one worker.
@@ -182,3 +184,14 @@ def final_response(outs: list[RequestOutput], served: ServedInfo) -> pb.Generate
     return pb.GenerateResponse(final=pb.Final(finish_reason=ends[0].finish_reason,
                                               stop_reason=ends[0].stop_reason, usage=usage,
                                               served=served.to_proto(), candidates=ends))
+
+
+def engine_times(times: EngineTimes) -> wpb.EngineTimes:
+    """An engine's time totals (runtime/step_times.py) as the worker's Status reports them."""
+    def totals(t: StepTotals) -> wpb.StepTotals:
+        return wpb.StepTotals(steps=t.steps, wall_s=t.wall_s, compute_s=t.compute_s,
+                              decode_rows=t.decode_rows, prefill_tokens=t.prefill_tokens)
+
+    return wpb.EngineTimes(decode=totals(times.decode), mixed=totals(times.mixed),
+                           commands_s=times.commands_s, publish_s=times.publish_s,
+                           idle_s=times.idle_s, loop_cpu_s=times.loop_cpu_s)

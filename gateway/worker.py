@@ -209,7 +209,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             exported=transfer_stats(self.transfer.exported, self.transfer.pending_exports),
             imported=transfer_stats(self.transfer.imported, self.transfer.pending_imports,
                                     self.transfer.page_wait.waiting),
-            num_threads=self.engine.num_threads)
+            num_threads=self.engine.num_threads, times=wire.engine_times(snap.times))
 
 
 def _served(engine, model: str | None, worker_id: str,
@@ -257,6 +257,13 @@ def _exit_with_parent(socket_path: str, period_s: float = 0.5,
                      name="tessera-parent-watch", daemon=True).start()
 
 
+def _core_list(value: str) -> tuple[int, ...]:
+    parts = value.split(",")
+    if not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"want CPU numbers separated by commas, got {value!r}")
+    return tuple(int(p) for p in parts)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gateway.worker", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -283,6 +290,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the transfer after the first token (stall), or hold the request after "
                         "its prefill, before the first token (hold), for each request of "
                         "TENANT; repeatable")
+    p.add_argument("--compute-cores", type=_core_list, default=None, metavar="CPU,CPU,...",
+                   help="pin this worker's threads to these CPUs (the gateway passes them where "
+                        "runtime/platform.py's compute_cores decides to pin)")
     p.add_argument("--fault-tenant", default=None,
                    help="drills only: corrupt the page table of each request of this tenant")
     p.add_argument("--fault-loop", action="append", default=None, metavar="KIND:TENANT",
@@ -330,6 +340,8 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
         adopt_engine(engine, config)
     engine_s = time.monotonic() - started
     marks["adopt_engine" if adopted else "engine"] = time.monotonic()
+    if args.compute_cores:
+        engine.platform.pin_compute_threads(args.compute_cores)
     # NOTE: before the socket exists, so the gateway never routes to a worker that would pay
     # a native build or a first-use cost on a client's request (an adopted engine has paid).
     started = time.monotonic()

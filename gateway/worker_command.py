@@ -7,17 +7,32 @@ import os
 import sys
 
 from gateway.pool_config import PoolConfig
+from runtime.platform import compute_cores
 from runtime.threads import share_of_cores, thread_env
 
 # The checkout holding runtime/ and gateway/: workers import from it whatever their cwd.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pinned_cores(config: PoolConfig) -> tuple[int, ...] | None:
+    """The cores a worker of this pool pins its compute threads to (runtime/platform.py's
+    `compute_cores`: a host with cores to spare, one worker), or None. Only where the pool
+    chose no thread count: a configured one (several pools sharing a host, disaggregated
+    serving) keeps the OS's placement."""
+    if config.worker_threads is not None or not hasattr(os, "sched_getaffinity"):
+        return None
+    return compute_cores(sorted(os.sched_getaffinity(0)),
+                         config.max_workers * config.tensor_parallel_size)
+
+
 def threads_per_worker(config: PoolConfig) -> int:
-    """CPU threads each worker computes on: the configured count, else this host's cores
-    split evenly among the pool's most workers (a tensor-parallel worker splits them again
-    between its ranks, gateway/tp_group.py)."""
-    return config.worker_threads or share_of_cores(config.max_workers)
+    """CPU threads each worker computes on: the configured count, else one per pinned core,
+    else this host's cores split evenly among the pool's most workers (a tensor-parallel
+    worker splits them again between its ranks, gateway/tp_group.py)."""
+    if config.worker_threads:
+        return config.worker_threads
+    pinned = pinned_cores(config)
+    return len(pinned) if pinned is not None else share_of_cores(config.max_workers)
 
 
 def worker_command(config: PoolConfig, worker_id: str, socket_path: str,
@@ -28,6 +43,8 @@ def worker_command(config: PoolConfig, worker_id: str, socket_path: str,
            "--worker-id", worker_id, "--served-model-name", config.model_id,
            "--max-num-seqs", str(config.max_inflight),
            "--worker-threads", str(threads_per_worker(config))]
+    if (pinned := pinned_cores(config)) is not None:
+        cmd += ["--compute-cores", ",".join(map(str, pinned))]
     if ready_socket is not None:
         cmd += ["--ready-socket", ready_socket]
     if config.kv_cache_bytes is not None:

@@ -26,6 +26,7 @@ from runtime.heap import release_free_heap
 from runtime.input_processor import ProcessedPrompt, Prompt
 from runtime.outputs import EngineCoreOutput, OutputAccumulator, RequestOutput
 from runtime.sampling_params import SamplingParams
+from runtime.step_times import EngineTimes
 
 log = logging.getLogger("tessera.async_engine")
 
@@ -37,6 +38,7 @@ class EngineSnapshot:
     stats: EngineStats
     integrity_checks: int
     integrity_mismatches: int
+    times: EngineTimes  # where the loop's time went, as of that pass (a copy)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,12 @@ class _OutputSlot:
         delta, self._pending = self._pending, None
         assert delta is not None and self.accumulator is not None
         return self.accumulator.add(delta)
+
+
+def _push_all(pushes: list[tuple[_OutputSlot, EngineCoreOutput]]) -> None:
+    """On a consumer's event loop: one step's outputs into their slots."""
+    for slot, out in pushes:
+        slot.push(out)
 
 
 class LoopFault(BaseException):
@@ -227,6 +235,8 @@ class AsyncLLM:
             log.critical("engine loop ended: %s", self._fatal, exc_info=True)
 
     def _loop(self) -> None:
+        times = self.engine.times
+        cpu_at = time.thread_time()
         while not self._stop:
             self._wake.clear()
             self._pass_started_at = time.monotonic()
@@ -237,12 +247,18 @@ class AsyncLLM:
             finally:
                 self._last_pass_at = time.monotonic()
                 self._pass_started_at = None
+            cpu_now = time.thread_time()
+            times.loop_cpu_s += cpu_now - cpu_at
+            cpu_at = cpu_now
             self.snapshot = self._take_snapshot()
             if not self.engine.has_unfinished_requests() and self._commands.empty():
                 # NOTE: once idle for a whole wait, the heap the steps freed goes back to the
                 # OS (glibc keeps it otherwise: ~20 MB after one 200-token request); never
                 # between back-to-back requests, where it would delay the next one.
-                if not self._wake.wait(timeout=0.5):
+                idle_from = time.perf_counter()
+                woken = self._wake.wait(timeout=0.5)
+                times.idle_s += time.perf_counter() - idle_from
+                if not woken:
                     self._on_idle()
 
     def _on_idle(self) -> None:
@@ -259,7 +275,10 @@ class AsyncLLM:
             release_free_heap()
 
     def _pass(self) -> None:
+        times = self.engine.times
+        started = time.perf_counter()
         self._run_commands()
+        times.commands_s += time.perf_counter() - started
         if not self.engine.has_unfinished_requests():
             return
         self._stepped = True
@@ -268,7 +287,9 @@ class AsyncLLM:
         except Exception:  # the engine already failed the step's requests; keep serving
             log.exception("engine step raised")
             return
+        started = time.perf_counter()
         self._publish(outputs)
+        times.publish_s += time.perf_counter() - started
 
     def _run_commands(self) -> None:
         while True:
@@ -291,18 +312,23 @@ class AsyncLLM:
                 fut.set_result(result)
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each consumer's event loop
+        per step, not one per request (each wake-up takes a core from the next step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_OutputSlot, EngineCoreOutput]]] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
-            if target is None:
-                continue
-            loop, slot = target
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, pushes in by_loop.items():
             try:
-                loop.call_soon_threadsafe(slot.push, out)
+                loop.call_soon_threadsafe(_push_all, pushes)
             except RuntimeError:  # the caller's event loop is closed: nobody listens
-                del self._streams[out.request_id]
-                self.engine.abort_request_core(out.request_id,
-                                               RequestCancelled("the client went away"))
+                for _, out in pushes:
+                    del self._streams[out.request_id]
+                    self.engine.abort_request_core(out.request_id,
+                                                   RequestCancelled("the client went away"))
 
     def _take_snapshot(self) -> EngineSnapshot:
         counters = self.engine.tracker.counters
-        return EngineSnapshot(self.engine.stats(), counters.checks_run, counters.num_mismatches)
+        return EngineSnapshot(self.engine.stats(), counters.checks_run, counters.num_mismatches,
+                              self.engine.times.copy())

@@ -2,11 +2,11 @@
 `platforms/`), and `platform_for(device)`, the one place that looks at a device's type.
 
 A platform gives the compute dtype that `dtype="auto"` means, whether the engine sets torch's
-compute threads, how zeroed KV storage is allocated, the torch.distributed backend and how a
-rank binds its device, whether the host may read device values for free, how host inputs are
-copied in, and CUDA-graph capture. Kernels
-are not here: they are picked by the `tessera` ops' dispatch (kernels/ops.py) and by the
-attention backend (runtime/attention/). Importing this module does not import torch (the
+compute threads and pins them to cores of their own (`compute_cores` decides when), how zeroed
+KV storage is allocated, the torch.distributed backend and how a rank binds its device, whether
+the host may read device values for free, how host inputs are copied in, and CUDA-graph
+capture. Kernels are not here: they are picked by the `tessera` ops' dispatch (kernels/ops.py)
+and by the attention backend (runtime/attention/). Importing this module does not import torch (the
 gateway and the command line read `DEVICES` to validate flags).
 """
 
@@ -14,13 +14,43 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from runtime.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import torch
+
+
+# Hosts with fewer cores share every core between the workers' compute threads and the serving
+# processes (gateway, REST shim, a benchmark client): pinning there would idle the cores left
+# to the serving side between tokens, and a 2-core host cannot spare one.
+PIN_MIN_CORES = 8
+SERVING_CORES = 2  # kept off a pinned worker's compute cores: the gateway, REST shim, clients
+
+
+def compute_cores(cores: Sequence[int], num_workers: int, num_threads: int | None = None, *,
+                  min_cores: int = PIN_MIN_CORES,
+                  serving_cores: int = SERVING_CORES) -> tuple[int, ...] | None:
+    """The cores one worker's compute threads are pinned to (one thread each), so that the
+    gateway, the REST shim and clients on the same host never take a core from a step; None
+    leaves placement to the OS.
+
+    `cores`: the CPUs this process may run on; `num_workers`: the compute processes sharing
+    them (a pool's workers times their tensor-parallel ranks); `num_threads`: the threads asked
+    for, None for every core past the serving ones. Pins only where there are at least
+    `min_cores` cores, one compute process (several would each need a core set of their own:
+    not decided here yet) and room for `num_threads` beside `serving_cores`: then the highest
+    `num_threads` cores, the lowest `serving_cores` left to the serving processes."""
+    if len(cores) < min_cores or num_workers != 1:
+        return None
+    free = sorted(cores)[serving_cores:]
+    n = len(free) if num_threads is None else num_threads
+    if not 1 <= n <= len(free):
+        return None
+    return tuple(free[len(free) - n:])
 
 
 class Platform:
@@ -59,6 +89,10 @@ class Platform:
 
         return torch.get_num_threads()
 
+    def pin_compute_threads(self, cores: Sequence[int]) -> None:
+        """Run this process's threads (the compute pool's among them) on `cores` only, where
+        the device computes on host threads (`compute_cores` says when)."""
+
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device | str) -> torch.Tensor:
         """Zeroed storage of `shape` (KV pages and their scales)."""
@@ -77,6 +111,15 @@ class CPUPlatform(Platform):
         from runtime.threads import apply_num_threads
 
         return apply_num_threads(num_threads)
+
+    def pin_compute_threads(self, cores: Sequence[int]) -> None:
+        # NOTE: every thread, not only the caller (sched_setaffinity(0) sets one thread's):
+        # the compute pool's threads exist already, and threads started later inherit it.
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device | str) -> torch.Tensor:

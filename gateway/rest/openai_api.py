@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,6 +51,7 @@ class _Shape:
         self.logprobs = body.logprob_count() is not None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
+        self._frame: tuple[object, bool, bytes, bytes] | None = None  # served, usage, bytes
 
     def envelope(self, obj: str, choices: list[dict[str, Any]], streams: list[AsyncStream],
                  usage: bool) -> dict[str, Any]:
@@ -60,6 +62,23 @@ class _Shape:
         if usage:
             body["usage"] = usage_body(*streams)
         return body
+
+    def chunk_event(self, choice: dict[str, Any], streams: list[AsyncStream],
+                    usage: bool) -> bytes:
+        """One stream chunk's SSE event: the bytes `sse(envelope(chunk_object, [choice], ...))`
+        gives (with `"usage": null` when usage was asked for), its envelope serialized once
+        per stream (per served configuration) rather than at every token."""
+        served = next((s.served for s in streams if s.served), None)
+        if self._frame is None or self._frame[0] is not served or self._frame[1] != usage:
+            body = self.envelope(self.chunk_object, [], streams, usage=False)
+            if usage:
+                body["usage"] = None
+            text = json.dumps(body, separators=(",", ":"))
+            cut = text.index('"choices":[]') + len('"choices":[')
+            self._frame = (served, usage, f"data: {text[:cut]}".encode(),
+                           f"{text[cut:]}\n\n".encode())
+        _, _, head, tail = self._frame
+        return head + json.dumps(choice, separators=(",", ":")).encode() + tail
 
     @property
     def object(self) -> str:
@@ -117,10 +136,7 @@ async def _events(relays: list[Relay], choices: list[Choices], shape: _Shape,
     streams = [r.stream for r in relays]
 
     def event(choice: dict[str, Any]) -> bytes:
-        body = shape.envelope(shape.chunk_object, [choice], streams, usage=False)
-        if usage:
-            body["usage"] = None
-        return sse(body)
+        return shape.chunk_event(choice, streams, usage)
 
     if shape.chat:
         for i in range(len(relays) * shape.n):

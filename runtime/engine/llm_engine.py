@@ -14,6 +14,7 @@ from runtime.engine.drivers import Drivers
 from runtime.engine.step import EngineStep
 from runtime.loader import Checkpoint, open_checkpoint
 from runtime.sequence import Sequence
+from runtime.step_times import EngineTimes
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class LLMEngine(EngineBuild, Admission, EngineStep, Drivers):
         self.requests: dict[str, Sequence] = {}
         self.shared_prefixes: dict[str, tuple[list[int], frozenset[str]]] = {}
         self._accumulators = {}
+        self.times = EngineTimes()
 
     @classmethod
     def from_path(cls, model: str | None, config: EngineConfig) -> LLMEngine:

@@ -9,6 +9,7 @@ while `step` rebuilds them here for callers on this thread (the offline API, dri
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from runtime.errors import KVIntegrityViolation, TesseraError
@@ -19,6 +20,7 @@ from runtime.outputs import EngineCoreOutput, OutputAccumulator, RequestOutput
 from runtime.sampler import INVALID_TOKEN, Sampler
 from runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from runtime.sequence import Sequence
+from runtime.step_times import EngineTimes
 
 if TYPE_CHECKING:
     from runtime.engine.build import Tracker
@@ -39,6 +41,7 @@ class EngineStep:
     max_model_len: int
     requests: dict[str, Sequence]
     tracker: Tracker
+    times: EngineTimes  # where the steps' time went (runtime/step_times.py)
     # request id -> the outputs `step` and `abort_request` rebuild on this thread
     _accumulators: dict[str, OutputAccumulator]
 
@@ -51,9 +54,12 @@ class EngineStep:
         return [core for _, core in self._step()]
 
     def _step(self) -> list[tuple[Sequence, EngineCoreOutput]]:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        decode_rows = sum(1 for s in batch.scheduled if s.num_tokens == 1)
+        prefill_tokens = batch.num_tokens - decode_rows
         failed: list[tuple[Sequence, EngineCoreOutput]] = []
         seqs = [s.seq for s in batch.scheduled]
         # the device tag pass, its flags obeyed on the device and learnt from the sampled
@@ -69,6 +75,7 @@ class EngineStep:
             batch.scheduled = [s for s in batch.scheduled if id(s.seq) not in bad]
             if batch.is_empty:
                 return failed
+        compute_started = time.perf_counter()
         try:
             samplers, logits = self.runner.execute(batch)
             states = [s.seq.engine_state for s in samplers]
@@ -83,6 +90,7 @@ class EngineStep:
             log.exception("step failed; failing its %d requests", len(batch.scheduled))
             err = TesseraError(f"internal error during step: {type(e).__name__}")
             return [o for s in batch.scheduled if (o := self._abort(s.seq.request_id, err))]
+        compute_s = time.perf_counter() - compute_started
         rows = list(zip(samplers, sampled.token_ids, sampled.logprobs, strict=True))
         if deferred and any(token == INVALID_TOKEN for _, token, _ in rows):
             rows, more = self._abort_flagged(batch, rows)
@@ -102,8 +110,11 @@ class EngineStep:
         self.scheduler.postprocess(batch, finished)
         for seq in finished:
             self.requests.pop(seq.request_id, None)
-        return failed + [(item.seq, self._core_output(item.seq, [token]))
+        outs = failed + [(item.seq, self._core_output(item.seq, [token]))
                          for item, token, _ in rows]
+        self.times.record_step(decode_rows, prefill_tokens, time.perf_counter() - started,
+                               compute_s)
+        return outs
 
     def _abort_flagged(self, batch: SchedulerOutput, rows: list[Row]
                        ) -> tuple[list[Row], list[tuple[Sequence, EngineCoreOutput]]]:

@@ -170,6 +170,14 @@ def test_prometheus_metrics_cover_requests_tokens_workers_and_pages(two_workers,
     wait_for(lambda: value("tessera_worker_kv_pages", model=MODEL, worker=worker,
                            state="free") > 0, 10, "the worker status poll")
     assert value("tessera_worker_integrity", model=MODEL, worker=worker, kind="checks") > 0
+    # where the engine's time went (runtime/step_times.py), through the worker's Status
+    assert value("tessera_worker_engine_steps", model=MODEL, worker=worker, kind="mixed") >= 1
+    assert value("tessera_worker_engine_step_seconds", model=MODEL, worker=worker,
+                 kind="mixed", part="compute") > 0
+    assert value("tessera_worker_engine_step_tokens", model=MODEL, worker=worker,
+                 kind="mixed", tokens="prefill") > 0
+    assert value("tessera_worker_engine_loop_seconds", model=MODEL, worker=worker,
+                 part="cpu") > 0
 
 
 def test_gateway_logs_are_json_with_request_tenant_and_worker_and_no_key(client, capfd) -> None:

@@ -63,3 +63,54 @@ def test_the_device_flag_reaches_the_engine_config():
     add_engine_flags(p)
     assert engine_config(p.parse_args([])).device == "auto"
     assert engine_config(p.parse_args(["--device", "cpu"])).device == "cpu"
+
+
+def test_a_small_host_shares_every_core_with_the_serving_processes():
+    from runtime.platform import PIN_MIN_CORES, compute_cores
+
+    for n in range(1, PIN_MIN_CORES):  # this 2-core development box among them
+        assert compute_cores(range(n), num_workers=1) is None
+        assert compute_cores(range(n), num_workers=1, num_threads=1) is None
+
+
+def test_a_large_host_pins_one_worker_to_its_own_cores_past_the_serving_ones():
+    from runtime.platform import PIN_MIN_CORES, SERVING_CORES, compute_cores
+
+    cores = list(range(PIN_MIN_CORES))
+    pinned = compute_cores(cores, num_workers=1)
+    assert pinned == tuple(cores[SERVING_CORES:])
+    assert compute_cores([15, 3, 9, 1, 7, 5, 11, 13], num_workers=1, num_threads=2) == (13, 15)
+    # the cores a container or taskset allows, in any order: the lowest stay with serving
+    assert compute_cores(range(4, 4 + 16), num_workers=1, num_threads=4) == (16, 17, 18, 19)
+
+
+def test_no_pinning_for_several_workers_or_more_threads_than_cores_to_spare():
+    from runtime.platform import SERVING_CORES, compute_cores
+
+    cores = range(16)
+    assert compute_cores(cores, num_workers=2) is None  # each would need a set of its own
+    assert compute_cores(cores, num_workers=1, num_threads=16 - SERVING_CORES + 1) is None
+    assert compute_cores(cores, num_workers=1, num_threads=0) is None
+    assert compute_cores(cores, num_workers=1, min_cores=32) is None
+    assert compute_cores(cores, num_workers=1, serving_cores=0) == tuple(cores)
+
+
+def test_pinning_moves_every_thread_of_the_process_already_running_or_started_later():
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os, threading
+        from runtime.platform import platform_for
+        core = sorted(os.sched_getaffinity(0))[-1]
+        stop = threading.Event()
+        early = threading.Thread(target=stop.wait); early.start()
+        platform_for("cpu").pin_compute_threads([core])
+        late = threading.Thread(target=stop.wait); late.start()
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        print(all(os.sched_getaffinity(t) == {core} for t in tids), len(tids))
+        stop.set()
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[0] == "True" and int(out[1]) >= 3

@@ -133,7 +133,7 @@ class PrefixCacheSummary(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("worker_id", "served", "num_pages", "num_free_pages", "page_size", "num_running", "num_waiting", "num_preemptions", "max_model_len", "prefix_cache", "requests_served", "integrity_checks", "integrity_mismatches", "native_ops", "role", "exported", "imported", "num_threads")
+    __slots__ = ("worker_id", "served", "num_pages", "num_free_pages", "page_size", "num_running", "num_waiting", "num_preemptions", "max_model_len", "prefix_cache", "requests_served", "integrity_checks", "integrity_mismatches", "native_ops", "role", "exported", "imported", "num_threads", "times")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SERVED_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class StatusResponse(_message.Message):
     EXPORTED_FIELD_NUMBER: _ClassVar[int]
     IMPORTED_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     served: _gateway_pb2.ServedConfig
     num_pages: int
@@ -170,7 +171,38 @@ class StatusResponse(_message.Message):
     exported: TransferStats
     imported: TransferStats
     num_threads: int
-    def __init__(self, worker_id: _Optional[str] = ..., served: _Optional[_Union[_gateway_pb2.ServedConfig, _Mapping]] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., integrity_checks: _Optional[int] = ..., integrity_mismatches: _Optional[int] = ..., native_ops: _Optional[str] = ..., role: _Optional[str] = ..., exported: _Optional[_Union[TransferStats, _Mapping]] = ..., imported: _Optional[_Union[TransferStats, _Mapping]] = ..., num_threads: _Optional[int] = ...) -> None: ...
+    times: EngineTimes
+    def __init__(self, worker_id: _Optional[str] = ..., served: _Optional[_Union[_gateway_pb2.ServedConfig, _Mapping]] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_model_len: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., requests_served: _Optional[int] = ..., integrity_checks: _Optional[int] = ..., integrity_mismatches: _Optional[int] = ..., native_ops: _Optional[str] = ..., role: _Optional[str] = ..., exported: _Optional[_Union[TransferStats, _Mapping]] = ..., imported: _Optional[_Union[TransferStats, _Mapping]] = ..., num_threads: _Optional[int] = ..., times: _Optional[_Union[EngineTimes, _Mapping]] = ...) -> None: ...
+
+class StepTotals(_message.Message):
+    __slots__ = ("steps", "wall_s", "compute_s", "decode_rows", "prefill_tokens")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    wall_s: float
+    compute_s: float
+    decode_rows: int
+    prefill_tokens: int
+    def __init__(self, steps: _Optional[int] = ..., wall_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., decode_rows: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
+
+class EngineTimes(_message.Message):
+    __slots__ = ("decode", "mixed", "commands_s", "publish_s", "idle_s", "loop_cpu_s")
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    MIXED_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_S_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    LOOP_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    decode: StepTotals
+    mixed: StepTotals
+    commands_s: float
+    publish_s: float
+    idle_s: float
+    loop_cpu_s: float
+    def __init__(self, decode: _Optional[_Union[StepTotals, _Mapping]] = ..., mixed: _Optional[_Union[StepTotals, _Mapping]] = ..., commands_s: _Optional[float] = ..., publish_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., loop_cpu_s: _Optional[float] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("transfers", "frames", "pages", "bytes", "duration_s", "failures", "pending", "waiting", "shm_frames")
