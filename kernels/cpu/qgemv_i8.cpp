@@ -70,13 +70,16 @@ struct QuantX {
   const int8_t* block(int64_t b, int64_t i) const { return q.data() + (b * M + i) * L * kBlock; }
 };
 
-// Quantize one block of 32 floats into xq (natural order) and return dx; 127 / amax as the
-// twin computes it, products rounded half to even (the default MXCSR mode).
-inline float quantize_block(const float* x, int8_t* xq) {
+// Quantize one block of 32 floats into xq (natural order); returns dx and sets *sum to the
+// codes' sum. 127 / amax as the twin computes it, products rounded half to even (the default
+// MXCSR mode). The sum is taken in registers from the int32 codes clamped as the int8 store
+// saturates them (a no-op but for non-finite x), so it is the stored codes' sum.
+inline float quantize_block(const float* x, int8_t* xq, int32_t* sum) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   if (!(amax > 0.0f)) {
     std::fill(xq, xq + kBlock, 0);
+    *sum = 0;
     return 0.0f;
   }
   const __m512 id = _mm512_set1_ps(127.0f / amax);
@@ -84,6 +87,10 @@ inline float quantize_block(const float* x, int8_t* xq) {
   const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtsepi32_epi8(qb));
+  const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+  const __m512i ca = _mm512_max_epi32(_mm512_min_epi32(qa, hi), lo);
+  const __m512i cb = _mm512_max_epi32(_mm512_min_epi32(qb, hi), lo);
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
   return amax / 127.0f;
 }
 
@@ -97,12 +104,8 @@ inline void block_residual(const float* x, const int8_t* xq, float dx, float* r)
   }
 }
 
-inline int32_t block_sum(const int8_t* q) {
-  int32_t s = 0;
-  for (int j = 0; j < kBlock; ++j) s += q[j];
-  return s;
-}
-
+// Rows of x are quantized independently, so threads split them (past ~256 blocks: a decode
+// row or a few stay on the calling thread) and the codes are the same however they split.
 void quantize_x(const float* x, int64_t M, int64_t K, bool q8, int limbs, QuantX& out) {
   const int64_t nb = K / kBlock;
   out.nb = nb;
@@ -114,27 +117,37 @@ void quantize_x(const float* x, int64_t M, int64_t K, bool q8, int limbs, QuantX
     if (q8) out.corr[l].resize(M * nb);
   }
   if (!q8) out.sx.resize(M * nb);
-  float residual[kBlock];
-  for (int64_t i = 0; i < M; ++i) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t s = b * M + i;
-      const float* xb = x + i * K + b * kBlock;
-      int8_t* q = out.q.data() + s * limbs * kBlock;
-      const float dx = quantize_block(xb, q);
-      const int32_t sum = block_sum(q);
-      out.dx[0][s] = dx;
-      if (q8) out.corr[0][s] = -128 * sum;
-      float sx = dx * static_cast<float>(sum);
-      if (limbs == 2) {
-        block_residual(xb, q, dx, residual);
-        const float dx2 = quantize_block(residual, q + kBlock);
-        const int32_t sum2 = block_sum(q + kBlock);
-        out.dx[1][s] = dx2;
-        if (q8) out.corr[1][s] = -128 * sum2;
-        sx += dx2 * static_cast<float>(sum2);
+  const auto rows = [&](int64_t begin, int64_t end) {
+    float residual[kBlock];
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t s = b * M + i;
+        const float* xb = x + i * K + b * kBlock;
+        int8_t* q = out.q.data() + s * limbs * kBlock;
+        int32_t sum = 0;
+        const float dx = quantize_block(xb, q, &sum);
+        out.dx[0][s] = dx;
+        if (q8) out.corr[0][s] = -128 * sum;
+        float sx = dx * static_cast<float>(sum);
+        if (limbs == 2) {
+          block_residual(xb, q, dx, residual);
+          int32_t sum2 = 0;
+          const float dx2 = quantize_block(residual, q + kBlock, &sum2);
+          out.dx[1][s] = dx2;
+          if (q8) out.corr[1][s] = -128 * sum2;
+          // NOTE: fused, spelled out: the compiler's contraction choice would otherwise change
+          // these bits with the code around them.
+          sx = std::fma(dx2, static_cast<float>(sum2), sx);
+        }
+        if (!q8) out.sx[s] = sx;
       }
-      if (!q8) out.sx[s] = sx;
     }
+  };
+  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(nb, 1));
+  if (M <= grain || at::in_parallel_region()) {
+    rows(0, M);
+  } else {
+    at::parallel_for(0, M, grain, rows);
   }
 }
 
@@ -305,8 +318,11 @@ template <typename W, int L>
 void gemm_i8(const W& w, const QuantX& x, int64_t M, int64_t N, int64_t K, float* y) {
   // ~32 KiB of weight bytes per task at least: small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(K, 1));
-  // 64 weight rows per task a thread takes (chunks.h): whole panels but for N's last.
-  parallel_chunks(N, 4 * kLanes, grain, [&](int64_t begin, int64_t end) {
+  // Weight rows per task a thread takes (chunks.h): whole panels but for N's last; four
+  // panels at a time for a few rows of x (the next panel's weights prefetched), one at a time
+  // from 16 rows (a panel is then long work, and the model's N = 576 splits evenly in two).
+  const int64_t chunk = M >= 16 ? kLanes : 4 * kLanes;
+  parallel_chunks(N, chunk, grain, [&](int64_t begin, int64_t end) {
     thread_local Panel panel;
     panel.w.resize(w.nb * 8 * kLanes);
     panel.d.resize(w.nb * kLanes);
