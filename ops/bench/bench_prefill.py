@@ -156,7 +156,8 @@ def breakdown(engine: Any, tokens: int, steps: int = 5) -> None:
 
 
 def _run_tree(args: argparse.Namespace, tree: Path, env: dict[str, str]) -> dict[str, list]:
-    cmd = [sys.executable, "-m", "ops.bench.bench_prefill", "--json", "--tokens",
+    # this file, run over the other tree's packages (that tree need not have it)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--json", "--tokens",
            str(args.tokens), "--repeats", str(args.repeats)]
     cmd += [f"--config={kv}" for kv in args.config]
     cmd += ["--threads", str(args.threads)] if args.threads else []
