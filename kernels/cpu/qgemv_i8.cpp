@@ -70,38 +70,26 @@ struct QuantX {
   const int8_t* block(int64_t b, int64_t i) const { return q.data() + (b * M + i) * L * kBlock; }
 };
 
-// Quantize one block of 32 floats into xq (natural order); returns dx and sets *sum to the
-// codes' sum. 127 / amax as the twin computes it, products rounded half to even (the default
-// MXCSR mode). The sum is taken in registers from the int32 codes clamped as the int8 store
-// saturates them (a no-op but for non-finite x), so it is the stored codes' sum.
-inline float quantize_block(const float* x, int8_t* xq, int32_t* sum) {
-  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+// Quantize one block of 32 floats (a, b) into xq (natural order); returns dx, sets *sum to the
+// codes' sum and c[0..1] to the codes as int32. 127 / amax as the twin computes it, products
+// rounded half to even (the default MXCSR mode). The codes stay in registers clamped as the
+// int8 store saturates them (a no-op but for non-finite x), for the sum and the residual.
+inline float quantize_block(__m512 a, __m512 b, int8_t* xq, int32_t* sum, __m512i c[2]) {
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   if (!(amax > 0.0f)) {
     std::fill(xq, xq + kBlock, 0);
     *sum = 0;
+    c[0] = c[1] = _mm512_setzero_si512();
     return 0.0f;
   }
   const __m512 id = _mm512_set1_ps(127.0f / amax);
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id));
-  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtsepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtsepi32_epi8(qb));
   const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
-  const __m512i ca = _mm512_max_epi32(_mm512_min_epi32(qa, hi), lo);
-  const __m512i cb = _mm512_max_epi32(_mm512_min_epi32(qb, hi), lo);
-  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
+  c[0] = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, id)), hi), lo);
+  c[1] = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, id)), hi), lo);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtepi32_epi8(c[0]));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtepi32_epi8(c[1]));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c[0], c[1]));
   return amax / 127.0f;
-}
-
-// The residual of a quantized block, r = x - dx * xq, each element rounded once (fnmadd).
-inline void block_residual(const float* x, const int8_t* xq, float dx, float* r) {
-  const __m512 d = _mm512_set1_ps(dx);
-  for (int h = 0; h < 2; ++h) {
-    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16 * h))));
-    _mm512_storeu_ps(r + 16 * h, _mm512_fnmadd_ps(d, q, _mm512_loadu_ps(x + 16 * h)));
-  }
 }
 
 // Rows of x are quantized independently, so threads split them (past ~256 blocks: a decode
@@ -118,21 +106,24 @@ void quantize_x(const float* x, int64_t M, int64_t K, bool q8, int limbs, QuantX
   }
   if (!q8) out.sx.resize(M * nb);
   const auto rows = [&](int64_t begin, int64_t end) {
-    float residual[kBlock];
     for (int64_t i = begin; i < end; ++i) {
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t s = b * M + i;
         const float* xb = x + i * K + b * kBlock;
         int8_t* q = out.q.data() + s * limbs * kBlock;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        __m512i c[2];
         int32_t sum = 0;
-        const float dx = quantize_block(xb, q, &sum);
+        const float dx = quantize_block(x0, x1, q, &sum, c);
         out.dx[0][s] = dx;
         if (q8) out.corr[0][s] = -128 * sum;
         float sx = dx * static_cast<float>(sum);
-        if (limbs == 2) {
-          block_residual(xb, q, dx, residual);
+        if (limbs == 2) {  // the residual r = x - dx xq, each element rounded once (fnmadd)
+          const __m512 d = _mm512_set1_ps(dx);
+          const __m512 r0 = _mm512_fnmadd_ps(d, _mm512_cvtepi32_ps(c[0]), x0);
+          const __m512 r1 = _mm512_fnmadd_ps(d, _mm512_cvtepi32_ps(c[1]), x1);
           int32_t sum2 = 0;
-          const float dx2 = quantize_block(residual, q + kBlock, &sum2);
+          const float dx2 = quantize_block(r0, r1, q + kBlock, &sum2, c);
           out.dx[1][s] = dx2;
           if (q8) out.corr[1][s] = -128 * sum2;
           // NOTE: fused, spelled out: the compiler's contraction choice would otherwise change
