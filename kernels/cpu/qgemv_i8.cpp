@@ -70,39 +70,30 @@ struct QuantX {
   const int8_t* block(int64_t b, int64_t i) const { return q.data() + (b * M + i) * L * kBlock; }
 };
 
-// Quantize one block of 32 floats into xq (natural order) and return dx; 127 / amax as the
-// twin computes it, products rounded half to even (the default MXCSR mode).
-inline float quantize_block(const float* x, int8_t* xq) {
-  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+// Quantize one block of 32 floats (a, b) into xq (natural order); returns dx, sets *sum to the
+// codes' sum and c[0..1] to the codes as int32. 127 / amax as the twin computes it, products
+// rounded half to even (the default MXCSR mode). The codes stay in registers clamped as the
+// int8 store saturates them (a no-op but for non-finite x), for the sum and the residual.
+inline float quantize_block(__m512 a, __m512 b, int8_t* xq, int32_t* sum, __m512i c[2]) {
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   if (!(amax > 0.0f)) {
     std::fill(xq, xq + kBlock, 0);
+    *sum = 0;
+    c[0] = c[1] = _mm512_setzero_si512();
     return 0.0f;
   }
   const __m512 id = _mm512_set1_ps(127.0f / amax);
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id));
-  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtsepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtsepi32_epi8(qb));
+  const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+  c[0] = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, id)), hi), lo);
+  c[1] = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, id)), hi), lo);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtepi32_epi8(c[0]));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtepi32_epi8(c[1]));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c[0], c[1]));
   return amax / 127.0f;
 }
 
-// The residual of a quantized block, r = x - dx * xq, each element rounded once (fnmadd).
-inline void block_residual(const float* x, const int8_t* xq, float dx, float* r) {
-  const __m512 d = _mm512_set1_ps(dx);
-  for (int h = 0; h < 2; ++h) {
-    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16 * h))));
-    _mm512_storeu_ps(r + 16 * h, _mm512_fnmadd_ps(d, q, _mm512_loadu_ps(x + 16 * h)));
-  }
-}
-
-inline int32_t block_sum(const int8_t* q) {
-  int32_t s = 0;
-  for (int j = 0; j < kBlock; ++j) s += q[j];
-  return s;
-}
-
+// Rows of x are quantized independently, so threads split them (past ~256 blocks: a decode
+// row or a few stay on the calling thread) and the codes are the same however they split.
 void quantize_x(const float* x, int64_t M, int64_t K, bool q8, int limbs, QuantX& out) {
   const int64_t nb = K / kBlock;
   out.nb = nb;
@@ -114,27 +105,40 @@ void quantize_x(const float* x, int64_t M, int64_t K, bool q8, int limbs, QuantX
     if (q8) out.corr[l].resize(M * nb);
   }
   if (!q8) out.sx.resize(M * nb);
-  float residual[kBlock];
-  for (int64_t i = 0; i < M; ++i) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t s = b * M + i;
-      const float* xb = x + i * K + b * kBlock;
-      int8_t* q = out.q.data() + s * limbs * kBlock;
-      const float dx = quantize_block(xb, q);
-      const int32_t sum = block_sum(q);
-      out.dx[0][s] = dx;
-      if (q8) out.corr[0][s] = -128 * sum;
-      float sx = dx * static_cast<float>(sum);
-      if (limbs == 2) {
-        block_residual(xb, q, dx, residual);
-        const float dx2 = quantize_block(residual, q + kBlock);
-        const int32_t sum2 = block_sum(q + kBlock);
-        out.dx[1][s] = dx2;
-        if (q8) out.corr[1][s] = -128 * sum2;
-        sx += dx2 * static_cast<float>(sum2);
+  const auto rows = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t s = b * M + i;
+        const float* xb = x + i * K + b * kBlock;
+        int8_t* q = out.q.data() + s * limbs * kBlock;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        __m512i c[2];
+        int32_t sum = 0;
+        const float dx = quantize_block(x0, x1, q, &sum, c);
+        out.dx[0][s] = dx;
+        if (q8) out.corr[0][s] = -128 * sum;
+        float sx = dx * static_cast<float>(sum);
+        if (limbs == 2) {  // the residual r = x - dx xq, each element rounded once (fnmadd)
+          const __m512 d = _mm512_set1_ps(dx);
+          const __m512 r0 = _mm512_fnmadd_ps(d, _mm512_cvtepi32_ps(c[0]), x0);
+          const __m512 r1 = _mm512_fnmadd_ps(d, _mm512_cvtepi32_ps(c[1]), x1);
+          int32_t sum2 = 0;
+          const float dx2 = quantize_block(r0, r1, q + kBlock, &sum2, c);
+          out.dx[1][s] = dx2;
+          if (q8) out.corr[1][s] = -128 * sum2;
+          // NOTE: fused, spelled out: the compiler's contraction choice would otherwise change
+          // these bits with the code around them.
+          sx = std::fma(dx2, static_cast<float>(sum2), sx);
+        }
+        if (!q8) out.sx[s] = sx;
       }
-      if (!q8) out.sx[s] = sx;
     }
+  };
+  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(nb, 1));
+  if (M <= grain || at::in_parallel_region()) {
+    rows(0, M);
+  } else {
+    at::parallel_for(0, M, grain, rows);
   }
 }
 
@@ -305,8 +309,11 @@ template <typename W, int L>
 void gemm_i8(const W& w, const QuantX& x, int64_t M, int64_t N, int64_t K, float* y) {
   // ~32 KiB of weight bytes per task at least: small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 15) / std::max<int64_t>(K, 1));
-  // 64 weight rows per task a thread takes (chunks.h): whole panels but for N's last.
-  parallel_chunks(N, 4 * kLanes, grain, [&](int64_t begin, int64_t end) {
+  // Weight rows per task a thread takes (chunks.h): whole panels but for N's last; four
+  // panels at a time for a few rows of x (the next panel's weights prefetched), one at a time
+  // from 16 rows (a panel is then long work, and the model's N = 576 splits evenly in two).
+  const int64_t chunk = M >= 16 ? kLanes : 4 * kLanes;
+  parallel_chunks(N, chunk, grain, [&](int64_t begin, int64_t end) {
     thread_local Panel panel;
     panel.w.resize(w.nb * 8 * kLanes);
     panel.d.resize(w.nb * kLanes);

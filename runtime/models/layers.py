@@ -66,6 +66,8 @@ class RotaryEmbedding(nn.Module):
         self._sin: torch.Tensor | None = None
         # Every layer rotates at the same positions: look them up once per step.
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # ... and the full-width (cat(cos, cos), cat(-sin, sin)) that `forward` multiplies by
+        self._wide: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
@@ -92,14 +94,27 @@ class RotaryEmbedding(nn.Module):
             self._step = step
         return step[1], step[2]
 
+    def wide_cos_sin(self, positions: torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cat(cos, cos), cat(-sin, sin)) at `positions`, [tokens, 1, head_dim], once a step."""
+        cos, sin = self.cos_sin(positions, dtype)
+        wide = self._wide
+        if wide is None or wide[0] is not cos:
+            wide = (cos, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
+            self._wide = wide
+        return wide[1], wide[2]
+
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        # x: [tokens, heads, head_dim]; positions: [tokens]. Out of place: an in-place rotation
-        # of strided halves ran 4-6x slower at 32+ tokens.
+        """x: [tokens, heads, head_dim], positions: [tokens] -> x rotated (rotate-half), out of
+        place (an in-place rotation of strided halves ran 4-6x slower at 32+ tokens).
+        x * cat(cos, cos) + cat(x2, x1) * cat(-sin, sin) is, element for element, the same
+        rounded products and sum as cat(x1 cos - x2 sin, x2 cos + x1 sin) (a + (-b) is a - b in
+        IEEE arithmetic): the same bits as the fused decode step's rotation, in 4 ops, not 7."""
         out = []
         for x in xs:
-            cos, sin = self.cos_sin(positions, x.dtype)
-            x1, x2 = x[..., : self.half], x[..., self.half :]
-            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+            cos, sin = self.wide_cos_sin(positions, x.dtype)
+            rot = torch.cat((x[..., self.half :], x[..., : self.half]), dim=-1).mul_(sin)
+            out.append((x * cos).add_(rot))
         return out
 
 
