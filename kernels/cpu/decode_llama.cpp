@@ -6,6 +6,9 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
+#include <chrono>
 #include <tuple>
 #include <vector>
 
@@ -42,6 +45,28 @@ struct BlockProj {
     block_linear_out(x, qs, d, m, c10::nullopt, kBlock, limbs, y);
     return bias.has_value() ? y.add_(*bias) : y;
   }
+};
+
+// The phases of a layer that `phase_ns` accounts for, in order.
+enum Phase { kNorm, kQkv, kRope, kStoreKv, kAttention, kO, kGateUp, kSiluMul, kDown, kPhases };
+
+// Adds the time since the last mark to a phase when profiling (one clock read a phase).
+class PhaseClock {
+ public:
+  PhaseClock(bool on, std::array<int64_t, kPhases>* totals) : on_(on), totals_(totals) {
+    if (on_) last_ = std::chrono::steady_clock::now();
+  }
+  void mark(Phase p) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    (*totals_)[p] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  bool on_;
+  std::array<int64_t, kPhases>* totals_;
+  std::chrono::steady_clock::time_point last_;
 };
 
 struct Layer {
@@ -83,33 +108,62 @@ class LlamaDecode : public torch::CustomClassHolder {
     const int64_t T = x.size(0), D = head_dim_, half = D / 2;
     const int64_t q_size = heads_ * D, qk_size = q_size + kv_heads_ * D;
     OptTensor pending;
+    PhaseClock clock(profiling_, &phase_ns_);
     for (const Layer& l : layers_) {
       at::Tensor h = add_rms_norm(x, pending, l.input_norm, eps_);
+      clock.mark(kNorm);
       const at::Tensor qkv = l.qkv(h);
+      clock.mark(kQkv);
       // q and k heads are adjacent in qkv: rotated together (rotate-half), as RotaryEmbedding.
       at::Tensor qk = qkv.slice(1, 0, qk_size).view({T, heads_ + kv_heads_, D});
       const at::Tensor x1 = qk.slice(2, 0, half), x2 = qk.slice(2, half);
       qk = at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
       const at::Tensor q = qk.slice(1, 0, heads_), k = qk.slice(1, heads_);
       const at::Tensor v = qkv.slice(1, qk_size).view({T, kv_heads_, D});
+      clock.mark(kRope);
       store_kv_rows(k, l.k_cache, slots, l.k_scale, l.hadamard, l.k_shift, l.k_divisor);
       store_kv_rows(v, l.v_cache, slots, l.v_scale, l.hadamard, c10::nullopt, l.v_divisor);
+      clock.mark(kStoreKv);
       const at::Tensor attn =
           paged_decode_attention(q, l.k_cache, l.v_cache, page_table, context_lens, scale_,
                                  l.k_scale, l.v_scale, l.hadamard, l.k_divisor, l.v_divisor);
-      h = add_rms_norm(x, l.o(attn), l.post_norm, eps_);
+      clock.mark(kAttention);
+      const at::Tensor o = l.o(attn);
+      clock.mark(kO);
+      h = add_rms_norm(x, o, l.post_norm, eps_);
+      clock.mark(kNorm);
       const std::vector<at::Tensor> gate_up = l.gate_up(h).chunk(2, -1);
-      pending = l.down(at::silu(gate_up[0]) * gate_up[1]);
+      clock.mark(kGateUp);
+      const at::Tensor act = at::silu(gate_up[0]) * gate_up[1];
+      clock.mark(kSiluMul);
+      pending = l.down(act);
+      clock.mark(kDown);
     }
-    return pending.has_value() ? x.add_(*pending) : x;
+    at::Tensor out = pending.has_value() ? x.add_(*pending) : x;
+    clock.mark(kNorm);
+    return out;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Profiling (off by default): each phase's nanoseconds summed over every step since it was
+  // turned on, [kPhases] int64 in Phase order (see kernels/decode_llama.py PHASES).
+  void set_profiling(bool on) {
+    profiling_ = on;
+    phase_ns_.fill(0);
+  }
+  at::Tensor phase_ns() const {
+    at::Tensor t = at::empty({kPhases}, at::kLong);
+    std::copy(phase_ns_.begin(), phase_ns_.end(), t.data_ptr<int64_t>());
+    return t;
+  }
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   std::vector<Layer> layers_;
+  bool profiling_ = false;
+  mutable std::array<int64_t, kPhases> phase_ns_{};
 };
 
 // x updated in place and returned: the op's schema says so (kernels/ops.py registers its fake).
@@ -128,7 +182,9 @@ TORCH_LIBRARY_FRAGMENT(tessera, m) {
   m.class_<tessera::LlamaDecode>("LlamaDecode")
       .def(torch::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &tessera::LlamaDecode::add_layer)
-      .def("num_layers", &tessera::LlamaDecode::num_layers);
+      .def("num_layers", &tessera::LlamaDecode::num_layers)
+      .def("set_profiling", &tessera::LlamaDecode::set_profiling)
+      .def("phase_ns", &tessera::LlamaDecode::phase_ns);
   m.def("llama_decode_step(__torch__.torch.classes.tessera.LlamaDecode step, Tensor(a!) x, "
         "Tensor cos, Tensor sin, Tensor slots, Tensor page_table, Tensor context_lens) "
         "-> Tensor(a!)");
