@@ -15,6 +15,10 @@
 #include "blocks.h"
 #include "ops.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace tessera {
 namespace {
 
@@ -69,6 +73,42 @@ class PhaseClock {
   std::chrono::steady_clock::time_point last_;
 };
 
+// Rotate-half RoPE in place over the first `heads` heads of each row of qkv [T, width]:
+// x1' = x1 * cos - x2 * sin, x2' = x2 * cos + x1 * sin, each product and sum rounded on its
+// own as torch's separate ops round them (explicit-rounding intrinsics: the compiler may not
+// fuse them into FMAs), so the bits are RotaryEmbedding's. cos, sin: [T, half] contiguous.
+// False where it does not apply (no AVX-512, half not a multiple of 16): the caller uses aten.
+bool rope_inplace(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t heads, int64_t dim) {
+#if defined(__AVX512F__)
+  const int64_t half = dim / 2, T = qkv.size(0), width = qkv.size(1);
+  if (half % 16 != 0 || !qkv.is_contiguous() || !cos.is_contiguous() || !sin.is_contiguous() ||
+      cos.numel() != T * half || sin.numel() != T * half || cos.scalar_type() != at::kFloat ||
+      sin.scalar_type() != at::kFloat)
+    return false;
+  constexpr int kR = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  float* base = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* x = base + t * width + h * dim;
+      for (int64_t j = 0; j < half; j += 16) {
+        const __m512 c = _mm512_loadu_ps(cp + t * half + j), s = _mm512_loadu_ps(sp + t * half + j);
+        const __m512 x1 = _mm512_loadu_ps(x + j), x2 = _mm512_loadu_ps(x + half + j);
+        _mm512_storeu_ps(x + j, _mm512_sub_round_ps(_mm512_mul_round_ps(x1, c, kR),
+                                                    _mm512_mul_round_ps(x2, s, kR), kR));
+        _mm512_storeu_ps(x + half + j, _mm512_add_round_ps(_mm512_mul_round_ps(x2, c, kR),
+                                                           _mm512_mul_round_ps(x1, s, kR), kR));
+      }
+    }
+  return true;
+#else
+  (void)qkv, (void)cos, (void)sin, (void)heads, (void)dim;
+  return false;
+#endif
+}
+
 struct Layer {
   at::Tensor input_norm, post_norm;
   BlockProj qkv, o, gate_up, down;
@@ -112,12 +152,14 @@ class LlamaDecode : public torch::CustomClassHolder {
     for (const Layer& l : layers_) {
       at::Tensor h = add_rms_norm(x, pending, l.input_norm, eps_);
       clock.mark(kNorm);
-      const at::Tensor qkv = l.qkv(h);
+      at::Tensor qkv = l.qkv(h);
       clock.mark(kQkv);
       // q and k heads are adjacent in qkv: rotated together (rotate-half), as RotaryEmbedding.
       at::Tensor qk = qkv.slice(1, 0, qk_size).view({T, heads_ + kv_heads_, D});
-      const at::Tensor x1 = qk.slice(2, 0, half), x2 = qk.slice(2, half);
-      qk = at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
+      if (!rope_inplace(qkv, cos, sin, heads_ + kv_heads_, D)) {
+        const at::Tensor x1 = qk.slice(2, 0, half), x2 = qk.slice(2, half);
+        qk = at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
+      }
       const at::Tensor q = qk.slice(1, 0, heads_), k = qk.slice(1, heads_);
       const at::Tensor v = qkv.slice(1, qk_size).view({T, kv_heads_, D});
       clock.mark(kRope);
