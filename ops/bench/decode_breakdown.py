@@ -135,7 +135,7 @@ def breakdown(engine: Any, concurrency: int, steps: int, warmup: int = 3
             row["fused step (C++)"] = row.get("fused step (C++)", 0.0) - sum(
                 fused.phase_ms().values())
             fused.set_profiling(False)
-        row["host other"] = total - sum(v for k, v in row.items() if not k.startswith("fused:"))
+        row["host other"] = total - sum(row.values())
         row["step"] = total
         for k, v in row.items():
             per_step[k].append(v)
