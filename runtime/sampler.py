@@ -1,9 +1,11 @@
 """Batched sampling: min_tokens, penalties, temperature, top-k/p, min-p, per-request seeds.
 
 Rows short of their `min_tokens` cannot draw EOS or a stop token id (their logits are -inf,
-as in vLLM). Greedy rows take the argmax of the raw logits. Random rows draw with the
-exponential-race trick (argmax of p / E, E ~ Exp(1)) using a generator owned by the sequence,
-so a seeded request draws the same numbers whatever else shares its batch.
+as in vLLM). Greedy rows take the argmax of the raw logits. Random rows draw by inverse CDF:
+one uniform number from a generator owned by the sequence against the running sum of its
+filtered probabilities, so a seeded request draws the same numbers whatever else shares its
+batch (and one number a token, not one a vocabulary entry: the exponential race it replaced
+drew 49152 numbers a row, ~1 ms of a step's CPU per random row).
 """
 
 from __future__ import annotations
@@ -60,10 +62,9 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
-            for j, i in enumerate(random_rows):
-                gen = generators[i] or self.default_generator
-                noise = torch.empty_like(probs[j]).exponential_(generator=gen)
-                chosen[i] = (probs[j] / noise).argmax()
+            uniform = torch.cat([torch.rand(1, generator=generators[i] or self.default_generator,
+                                            dtype=torch.float64) for i in random_rows])
+            chosen[random_rows] = _inverse_cdf(probs, uniform)
         if valid is not None:
             chosen = torch.where(valid.to(chosen.device) != 0, chosen,
                                  torch.full_like(chosen, INVALID_TOKEN))
@@ -127,6 +128,18 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
             counts = counts[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return logits
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[rows] token ids: for each row of probs [rows, vocab] (unnormalised, >= 0) the first
+    token whose running sum (float64, in token order) exceeds uniform [rows] in [0, 1) times
+    the row's mass: a draw from the row's distribution (a zero-probability token never is);
+    token 0 for a row with no mass."""
+    cum = probs.double().cumsum(dim=-1)
+    total = cum[:, -1]
+    picked = torch.searchsorted(cum, (uniform * total).unsqueeze(1), right=True).squeeze(1)
+    picked = picked.clamp(max=probs.shape[-1] - 1)
+    return torch.where(total > 0, picked, torch.zeros_like(picked))
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
