@@ -92,14 +92,19 @@ class FusedLlamaDecode:
     def num_layers(self) -> int:
         return int(self._step.num_layers())
 
-    def set_profiling(self, on: bool) -> None:
-        """Turn per-phase timing on or off (one clock read a phase, ~0.3k a step); both reset
-        the totals."""
-        self._step.set_profiling(on)
+    def set_profiling(self, clock: str | None) -> None:
+        """Per-phase timing by `clock`: "wall", "cpu" (the calling thread's CPU time: exact at
+        one thread on a loaded machine, only the caller's share with more), or None (off, the
+        default); one clock read a phase (~300 a step). Resets the totals. Raises ValueError
+        for another clock."""
+        modes = {None: 0, "wall": 1, "cpu": 2}
+        if clock not in modes:
+            raise ValueError(f"clock must be 'wall', 'cpu' or None, got {clock!r}")
+        self._step.set_profiling(modes[clock])
 
     def phase_ms(self) -> dict[str, float]:
         """Milliseconds spent in each of `PHASES`, summed over every step since profiling was
-        turned on (wall time on the calling thread, threaded kernels included)."""
+        set (by the clock it was set with)."""
         ns = self._step.phase_ns().tolist()
         return {name: t / 1e6 for name, t in zip(PHASES, ns, strict=True)}
 

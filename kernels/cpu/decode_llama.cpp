@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <ctime>
 #include <tuple>
 #include <vector>
 
@@ -54,23 +55,35 @@ struct BlockProj {
 // The phases of a layer that `phase_ns` accounts for, in order.
 enum Phase { kNorm, kQkv, kRope, kStoreKv, kAttention, kO, kGateUp, kSiluMul, kDown, kPhases };
 
-// Adds the time since the last mark to a phase when profiling (one clock read a phase).
+// Adds the time since the last mark to a phase when profiling (one clock read a phase): wall
+// time (mode 1), or the calling thread's CPU time (mode 2: exact at one thread whatever else
+// the machine runs; with more threads it counts only the caller's share).
 class PhaseClock {
  public:
-  PhaseClock(bool on, std::array<int64_t, kPhases>* totals) : on_(on), totals_(totals) {
-    if (on_) last_ = std::chrono::steady_clock::now();
+  PhaseClock(int64_t mode, std::array<int64_t, kPhases>* totals) : mode_(mode), totals_(totals) {
+    if (mode_) last_ = now();
   }
   void mark(Phase p) {
-    if (!on_) return;
-    const auto now = std::chrono::steady_clock::now();
-    (*totals_)[p] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count();
-    last_ = now;
+    if (!mode_) return;
+    const int64_t t = now();
+    (*totals_)[p] += t - last_;
+    last_ = t;
   }
 
  private:
-  bool on_;
+  int64_t now() const {
+    if (mode_ == 2) {
+      timespec ts;
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+      return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+    }
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+  int64_t mode_;
   std::array<int64_t, kPhases>* totals_;
-  std::chrono::steady_clock::time_point last_;
+  int64_t last_ = 0;
 };
 
 // Rotate-half RoPE in place over the first `heads` heads of each row of qkv [T, width]:
@@ -188,10 +201,12 @@ class LlamaDecode : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // Profiling (off by default): each phase's nanoseconds summed over every step since it was
-  // turned on, [kPhases] int64 in Phase order (see kernels/decode_llama.py PHASES).
-  void set_profiling(bool on) {
-    profiling_ = on;
+  // Profiling (mode 0, off, by default; 1 wall time, 2 the calling thread's CPU time): each
+  // phase's nanoseconds summed over every step since it was set, [kPhases] int64 in Phase
+  // order (see kernels/decode_llama.py PHASES).
+  void set_profiling(int64_t mode) {
+    TORCH_CHECK(mode >= 0 && mode <= 2, "profiling mode must be 0, 1 or 2");
+    profiling_ = mode;
     phase_ns_.fill(0);
   }
   at::Tensor phase_ns() const {
@@ -204,7 +219,7 @@ class LlamaDecode : public torch::CustomClassHolder {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   std::vector<Layer> layers_;
-  bool profiling_ = false;
+  int64_t profiling_ = 0;
   mutable std::array<int64_t, kPhases> phase_ns_{};
 };
 

@@ -1,6 +1,6 @@
 """Where an all-decode engine step's time goes, piece by piece, at several concurrencies.
 
-    python3 -m ops.bench.decode_breakdown --concurrency 1 8 32 --steps 20 --threads 1
+    python3 -m ops.bench.decode_breakdown --concurrency 1 8 32 --steps 20 --threads 1 --clock cpu
     python3 -m ops.bench.decode_breakdown --concurrency 32 --config kv_cache_dtype=fp8
 
 The same step as `ops/bench/bench_step.py` (real model, ~100-token prompts, every request
@@ -11,7 +11,8 @@ each projection, RoPE, KV store, attention, SiLU x up). "host other" is the step
 timed piece: the model runner's per-token lists, bookkeeping, detokenizing, outputs.
 Then the sampler alone on the last step's logits under other sampling parameters (greedy with
 logprobs, temperature with top-p, with logprobs). Wall times on a shared machine: run at one
-thread (`--threads 1`) for an account that adds up; medians per step.
+thread (`--threads 1`) for an account that adds up, and with `--clock cpu` (the main thread's
+CPU time) for one that a loaded machine does not distort; medians per step.
 """
 
 from __future__ import annotations
@@ -46,17 +47,18 @@ _NESTED = {"runner: execute": ("runner: layout", "attention metadata",
 
 
 class _Timers:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         self.step: dict[str, float] = defaultdict(float)
+        self.clock = clock
 
     def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.step[label] += 1e3 * (time.perf_counter() - start)
+                self.step[label] += 1e3 * (self.clock() - start)
         return timed
 
 
@@ -84,10 +86,11 @@ def _fused_step(engine: Any) -> Any:
     return None
 
 
-def breakdown(engine: Any, concurrency: int, steps: int, warmup: int = 3
+def breakdown(engine: Any, concurrency: int, steps: int, clock: str = "wall", warmup: int = 3
               ) -> tuple[dict[str, float], dict[str, float]]:
     """Median ms per step of each piece at `concurrency` (host pieces exclusive of nested
-    ones, fused-step phases, "step" the whole), and the sampler alone under other parameters."""
+    ones, fused-step phases, "step" the whole) by `clock` ("wall", or "cpu": this thread's
+    CPU time), and the sampler alone under other parameters."""
     from runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + warmup + 8, temperature=0.0, ignore_eos=True)
@@ -98,7 +101,8 @@ def breakdown(engine: Any, concurrency: int, steps: int, warmup: int = 3
         engine.step()
     for _ in range(warmup):
         engine.step()
-    timers = _Timers()
+    now = time.perf_counter if clock == "wall" else time.thread_time
+    timers = _Timers(now)
     _install(engine, timers)
     fused = _fused_step(engine)
     logits_seen: list[Any] = []
@@ -106,9 +110,9 @@ def breakdown(engine: Any, concurrency: int, steps: int, warmup: int = 3
         op = fused._op
 
         def fused_op(*args: Any) -> Any:
-            start = time.perf_counter()
+            start = now()
             out = op(*args)
-            timers.step["fused step (C++)"] += 1e3 * (time.perf_counter() - start)
+            timers.step["fused step (C++)"] += 1e3 * (now() - start)
             return out
         fused._op = fused_op
     sampler = engine.sampler
@@ -121,10 +125,10 @@ def breakdown(engine: Any, concurrency: int, steps: int, warmup: int = 3
     for _ in range(steps):
         timers.step.clear()
         if fused is not None:
-            fused.set_profiling(True)
-        start = time.perf_counter()
+            fused.set_profiling(clock)
+        start = now()
         engine.step()
-        total = 1e3 * (time.perf_counter() - start)
+        total = 1e3 * (now() - start)
         row = dict(timers.step)
         for outer, inner in _NESTED.items():
             if outer in row:
@@ -134,7 +138,7 @@ def breakdown(engine: Any, concurrency: int, steps: int, warmup: int = 3
                 row[f"fused: {phase}"] = ms
             row["fused step (C++)"] = row.get("fused step (C++)", 0.0) - sum(
                 fused.phase_ms().values())
-            fused.set_profiling(False)
+            fused.set_profiling(None)
         row["host other"] = total - sum(row.values())
         row["step"] = total
         for k, v in row.items():
@@ -150,10 +154,11 @@ def breakdown(engine: Any, concurrency: int, steps: int, warmup: int = 3
     for rid in ids:
         engine.abort_request(rid)
     medians = {k: statistics.median(v) for k, v in per_step.items()}
-    return medians, _sampler_variants(engine, logits_seen[0], concurrency, steps)
+    return medians, _sampler_variants(engine, logits_seen[0], concurrency, steps, now)
 
 
-def _sampler_variants(engine: Any, logits: Any, rows: int, repeats: int) -> dict[str, float]:
+def _sampler_variants(engine: Any, logits: Any, rows: int, repeats: int,
+                      now: Callable[[], float]) -> dict[str, float]:
     import torch
 
     from runtime.sampling_params import SamplingParams
@@ -170,9 +175,9 @@ def _sampler_variants(engine: Any, logits: Any, rows: int, repeats: int) -> dict
         times = []
         for _ in range(repeats):
             gens = [torch.Generator().manual_seed(i) for i in range(rows)]
-            start = time.perf_counter()
+            start = now()
             engine.sampler(logits, [p] * rows, [([1, 2], [3])] * rows, gens, None, None)
-            times.append(1e3 * (time.perf_counter() - start))
+            times.append(1e3 * (now() - start))
         out[name] = statistics.median(times)
     return out
 
@@ -184,13 +189,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the main thread's CPU time (exact with --threads 1 on a loaded "
+                        "machine)")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="an EngineConfig string field (repeatable)")
     args = p.parse_args(argv)
     engine = _engine(args.threads, args.kv_cache_bytes, max(args.concurrency),
                      dict(kv.split("=", 1) for kv in args.config))
     engine.warm_up()
-    results = {c: breakdown(engine, c, args.steps) for c in args.concurrency}
+    results = {c: breakdown(engine, c, args.steps, args.clock) for c in args.concurrency}
     labels = list(dict.fromkeys(k for r, _ in results.values() for k in r))
     labels = [k for k in labels if k != "step"] + ["step"]
     cols = " | ".join(f"c={c} ms | %" for c in results)
