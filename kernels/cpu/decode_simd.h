@@ -86,6 +86,38 @@ class Slots {
   int64_t page_size_, page_ = 0, offset_ = 0;
 };
 
+// Rows ahead of the one being read whose cache lines are prefetched: K/V pages are scattered
+// and a page is often one 4 KiB memory page, where the hardware prefetcher stops.
+constexpr int64_t kAhead = 16;
+
+template <typename T, int kDim>
+inline void prefetch_row(const T* row) {
+  constexpr int64_t kBytes = kDim * static_cast<int64_t>(sizeof(T));
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < kBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// Slots `kAhead` rows ahead of a `Slots` walk over `len` rows, prefetched one a row.
+template <typename T, int kDim>
+class Prefetcher {
+ public:
+  Prefetcher(const T* base, const int64_t* table, int64_t page_size, int64_t len)
+      : base_(base), slots_(table, page_size), left_(len) {
+    for (int64_t i = 0; i < kAhead && left_ > 0; ++i, --left_)
+      prefetch_row<T, kDim>(base_ + slots_.next() * kDim);
+  }
+  void step() {
+    if (left_ <= 0) return;
+    --left_;
+    prefetch_row<T, kDim>(base_ + slots_.next() * kDim);
+  }
+
+ private:
+  const T* base_;
+  Slots slots_;
+  int64_t left_;
+};
+
 // Scores of kHeads query heads (q: [kHeads, kDim]) over `len` K rows into probs
 // ([kHeads rows of stride len]): dot(q, k_t) * (k_scale[t] * scale or scale), as the
 // portable loop computes them.
@@ -98,11 +130,13 @@ void scores(const float* q, const T* kbase, const c10::BFloat16* ks, const int64
     for (int c = 0; c < kV; ++c) qr[g][c] = _mm512_loadu_ps(q + g * kDim + 16 * c);
   alignas(64) __m512 partial[kHeads][16];
   Slots slots(table, page_size);
+  Prefetcher<T, kDim> ahead(kbase, table, page_size, len);
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int rows = static_cast<int>(std::min<int64_t>(16, len - t0));
     alignas(64) float row_scale[16];
     for (int r = 0; r < rows; ++r) {
       const int64_t at = slots.next();
+      ahead.step();
       const T* kr = kbase + at * kDim;
       row_scale[r] = ks ? bf16_to_float(ks[at]) * scale : scale;
       __m512 kv[kV];
@@ -135,8 +169,10 @@ void weighted_values(const float* probs, const T* vbase, const c10::BFloat16* vs
   for (int g = 0; g < kHeads; ++g)
     for (int c = 0; c < kV; ++c) acc[g][c] = _mm512_setzero_ps();
   Slots slots(table, page_size);
+  Prefetcher<T, kDim> ahead(vbase, table, page_size, len);
   for (int64_t t = 0; t < len; ++t) {
     const int64_t at = slots.next();
+    ahead.step();
     const T* vr = vbase + at * kDim;
     const float vsc = vs ? bf16_to_float(vs[at]) : 1.0f;
     __m512 vv[kV];
