@@ -60,6 +60,11 @@ class DecodeLayerSpec:
     v_divisor: torch.Tensor | None = None
 
 
+# What `FusedLlamaDecode.phase_ms` accounts for, in the C++ step's order (decode_llama.cpp
+# Phase): "norm" is both residual adds + RMSNorms and the last add, "silu_mul" SiLU(gate) x up.
+PHASES = ("norm", "qkv", "rope", "store_kv", "attention", "o", "gate_up", "silu_mul", "down")
+
+
 def fused_decode_available() -> bool:
     """Whether the C++ ops are built (else the model's Python forward runs)."""
     return native() is not None
@@ -86,6 +91,22 @@ class FusedLlamaDecode:
     @property
     def num_layers(self) -> int:
         return int(self._step.num_layers())
+
+    def set_profiling(self, clock: str | None) -> None:
+        """Per-phase timing by `clock`: "wall", "cpu" (the calling thread's CPU time: exact at
+        one thread on a loaded machine, only the caller's share with more), or None (off, the
+        default); one clock read a phase (~300 a step). Resets the totals. Raises ValueError
+        for another clock."""
+        modes = {None: 0, "wall": 1, "cpu": 2}
+        if clock not in modes:
+            raise ValueError(f"clock must be 'wall', 'cpu' or None, got {clock!r}")
+        self._step.set_profiling(modes[clock])
+
+    def phase_ms(self) -> dict[str, float]:
+        """Milliseconds spent in each of `PHASES`, summed over every step since profiling was
+        set (by the clock it was set with)."""
+        ns = self._step.phase_ns().tolist()
+        return {name: t / 1e6 for name, t in zip(PHASES, ns, strict=True)}
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slot_mapping: torch.Tensor, page_table: torch.Tensor,

@@ -15,10 +15,44 @@
 #include <vector>
 
 #include "chunks.h"
+#include "decode_simd.h"
 #include "rows.h"
 
 namespace tessera {
 namespace {
+
+// The portable body of one (sequence, KV head) item: scores, softmax, weighted values, row by
+// row through rows.h (decode_simd.h has the same operations in registers).
+template <typename T>
+void portable_item(const float* qg, const T* k, const T* v, const c10::BFloat16* k_scale,
+                   const c10::BFloat16* v_scale, const int64_t* pt, int64_t len, int64_t h,
+                   int64_t pages, int64_t page_size, int64_t dim, float scale, int64_t group,
+                   float* rw, float* pr, float* ac) {
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = (h * pages + pt[t / page_size]) * page_size + t % page_size;
+    const float* kr = rw;
+    if constexpr (std::is_same_v<T, float>) {
+      kr = k + slot * dim;  // float pages are read in place, not copied
+    } else {
+      load_row(k + slot * dim, rw, dim);
+    }
+    const float ks = k_scale ? bf16_to_float(k_scale[slot]) * scale : scale;
+    for (int64_t g = 0; g < group; ++g) pr[g * len + t] = dot(qg + g * dim, kr, dim) * ks;
+  }
+  for (int64_t g = 0; g < group; ++g) softmax_inplace(pr + g * len, len);
+  std::fill(ac, ac + group * dim, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = (h * pages + pt[t / page_size]) * page_size + t % page_size;
+    const float* vr = rw;
+    if constexpr (std::is_same_v<T, float>) {
+      vr = v + slot * dim;
+    } else {
+      load_row(v + slot * dim, rw, dim);
+    }
+    const float vs = v_scale ? bf16_to_float(v_scale[slot]) : 1.0f;
+    for (int64_t g = 0; g < group; ++g) axpy(pr[g * len + t] * vs, vr, ac + g * dim, dim);
+  }
+}
 
 // kDim > 0 fixes head_dim at compile time (fully unrolled rows); 0 reads it at run time.
 template <typename T, int kDim>
@@ -48,31 +82,16 @@ void decode_attention(const float* q, const T* k, const T* v, const c10::BFloat1
       const int64_t* pt = table + b * max_pages;
       probs.resize(group * len);
       float* pr = probs.data();
-      float* rw = row.data();
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = (h * pages + pt[t / page_size]) * page_size + t % page_size;
-        const float* kr = rw;
-        if constexpr (std::is_same_v<T, float>) {
-          kr = k + slot * dim;  // float pages are read in place, not copied
-        } else {
-          load_row(k + slot * dim, rw, dim);
-        }
-        const float ks = k_scale ? bf16_to_float(k_scale[slot]) * scale : scale;
-        for (int64_t g = 0; g < group; ++g) pr[g * len + t] = dot(qg + g * dim, kr, dim) * ks;
-      }
-      for (int64_t g = 0; g < group; ++g) softmax_inplace(pr + g * len, len);
-      std::fill(acc.begin(), acc.end(), 0.0f);
       float* ac = acc.data();
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = (h * pages + pt[t / page_size]) * page_size + t % page_size;
-        const float* vr = rw;
-        if constexpr (std::is_same_v<T, float>) {
-          vr = v + slot * dim;
-        } else {
-          load_row(v + slot * dim, rw, dim);
-        }
-        const float vs = v_scale ? bf16_to_float(v_scale[slot]) : 1.0f;
-        for (int64_t g = 0; g < group; ++g) axpy(pr[g * len + t] * vs, vr, ac + g * dim, dim);
+      if constexpr (simd::kAvailable && kDim > 0 && kDim % 16 == 0) {
+        const int64_t head_rows = h * pages * page_size;
+        simd::decode_item<T, kDim>(qg, k + head_rows * kDim, v + head_rows * kDim,
+                                   k_scale ? k_scale + head_rows : nullptr,
+                                   v_scale ? v_scale + head_rows : nullptr, pt, len, page_size,
+                                   scale, group, pr, ac);
+      } else {
+        portable_item(qg, k, v, k_scale, v_scale, pt, len, h, pages, page_size, dim, scale,
+                      group, row.data(), pr, ac);
       }
       for (int64_t g = 0; g < group; ++g) {
         if (hadamard) fwht_inplace<kDim>(ac + g * dim, dim);

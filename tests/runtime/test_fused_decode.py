@@ -116,3 +116,23 @@ def test_bf16_activations_fuse_only_up_to_their_float32_rows() -> None:
     assert max_fused_rows(_model(llm)) == BlockLinear.bf16_min_rows
     llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
     assert _built(llm)[2] is not None
+
+
+def test_the_fused_step_accounts_for_its_phases_when_asked() -> None:
+    from kernels.decode_llama import PHASES
+
+    llm = LLM(kv_cache_bytes=32 << 20, max_num_seqs=4, enable_prefix_caching=False)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0))
+    step = _built(llm)[2]
+    assert step is not None
+    assert set(step.phase_ms().values()) == {0.0}, "off by default: nothing counted"
+    step.set_profiling("cpu")
+    batch = _decode_step(llm)
+    llm.engine.runner.execute(batch)
+    spent = step.phase_ms()
+    assert list(spent) == list(PHASES)
+    assert all(ms >= 0 for ms in spent.values()) and spent["attention"] > 0
+    step.set_profiling(None)
+    assert set(step.phase_ms().values()) == {0.0}
+    with pytest.raises(ValueError, match="clock"):
+        step.set_profiling("sometimes")
