@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -55,6 +56,8 @@ _METRIC = re.compile(r'^(tessera_worker_engine_\w+)\{([^}]*)\} (\S+)$')
 class Server:
     label: str
     tree: Path
+    flags: list[str] = field(default_factory=list)  # more `tessera serve` flags
+    env: dict[str, str] = field(default_factory=dict)  # more environment for it
     http_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -67,12 +70,12 @@ class Server:
 
 def start(server: Server, keys: Path, log_dir: Path, timeout_s: float = 300.0) -> None:
     """Spawn the tree's `tessera serve` and wait until a one-token completion succeeds."""
-    env = {**os.environ, "PYTHONPATH": str(server.tree)}
+    env = {**os.environ, "PYTHONPATH": str(server.tree), **server.env}
     log = server.log = open(log_dir / f"{server.label}.log", "wb")
     server.proc = subprocess.Popen(
         [sys.executable, "-m", "ops.cli", "serve", "--grpc-port", "0", "--http-port",
          str(server.http_port), "--metrics-port", str(server.metrics_port), "--api-keys",
-         str(keys)], cwd=server.tree, env=env, stdout=log, stderr=subprocess.STDOUT,
+         str(keys), *server.flags], cwd=server.tree, env=env, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True)
     headers = {"Authorization": f"Bearer {KEY}"}
     deadline = time.monotonic() + timeout_s
@@ -283,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", action="append", default=None, metavar="LABEL=PATH",
                    help="a checkout whose `tessera serve` to measure (repeat: A/B in one run; "
                         "default this tree)")
+    p.add_argument("--serve-flags", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="more `tessera serve` flags for one tree, e.g. "
+                        "'one=--worker-threads 1' (the same checkout may be two trees)")
+    p.add_argument("--serve-env", action="append", default=[], metavar="LABEL=KEY=VALUE",
+                   help="an environment variable for one tree's server, e.g. "
+                        "'passive=OMP_WAIT_POLICY=PASSIVE'")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -296,6 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     specs = args.tree or [f"this={REPO}"]
     servers = [Server(label, Path(path).resolve())
                for label, _, path in (spec.partition("=") for spec in specs)]
+    by_label = {sv.label: sv for sv in servers}
+    for spec in args.serve_flags:
+        label, _, flags = spec.partition("=")
+        by_label[label].flags += shlex.split(flags)
+    for spec in args.serve_env:
+        label, _, kv = spec.partition("=")
+        key, _, value = kv.partition("=")
+        by_label[label].env[key] = value
     with tempfile.TemporaryDirectory(prefix="served-step-") as tmp:
         keys = Path(tmp) / "keys"
         keys.write_text(f"{KEY}=bench\n")
