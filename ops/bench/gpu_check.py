@@ -10,7 +10,9 @@ them on CPU in Triton's interpreter (wall-clock timing), to catch bugs before a 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,24 @@ class Sizes:
 
 FULL = Sizes(2 << 30, 8192, (32, 64), (4096, 8192), (64, 4096), 64, 8192, 20)
 TINY = Sizes(1 << 20, 128, (2,), (48,), (8,), 4, 64, 2)
+
+
+def check_device(name: str, description: str | None,
+                 argv: list[str] | None) -> tuple[argparse.Namespace, torch.device] | None:
+    """A GPU check's start: its `--tiny` flag parsed, and the device it measures (CUDA, or the
+    CPU with Triton's interpreter for `--tiny`); None, said on stderr, where neither applies.
+    Call it before importing any Triton kernel module: TRITON_INTERPRET is read at import."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter check)")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        print(f"{name}: no CUDA device; nothing measured (--tiny runs the interpreter)",
+              file=sys.stderr)
+        return None
+    if not cuda and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return args, torch.device("cuda" if cuda else "cpu")
 
 
 class Timer:

@@ -12,10 +12,7 @@ interpreter when there is no GPU (wall-clock numbers, meaningless, but the paths
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -161,17 +158,13 @@ def serve_first_request(engine, sizes: Sizes) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter check)")
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.tiny:
-        print("gpu_check_engine: no CUDA device; nothing measured (--tiny runs the interpreter)",
-              file=sys.stderr)
+    from ops.bench.gpu_check import check_device
+
+    checked = check_device("gpu_check_engine", __doc__, argv)
+    if checked is None:
         return 2
-    if not cuda and "triton" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    device = torch.device("cuda" if cuda else "cpu")
+    args, device = checked
+    cuda = device.type == "cuda"
     sizes = TINY if args.tiny else FULL
     name = torch.cuda.get_device_name() if cuda else "cpu (interpreter)"
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

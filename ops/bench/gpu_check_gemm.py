@@ -11,9 +11,6 @@ interpreter when there is no GPU (wall-clock numbers, meaningless but the paths 
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -91,19 +88,15 @@ def fp8_table(timer, sizes: Sizes, device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter check)")
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.tiny:
-        print("gpu_check_gemm: no CUDA device; nothing measured (--tiny runs the interpreter)",
-              file=sys.stderr)
+    from ops.bench.gpu_check import check_device
+
+    checked = check_device("gpu_check_gemm", __doc__, argv)
+    if checked is None:
         return 2
-    if not cuda and "triton" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    args, device = checked
+    cuda = device.type == "cuda"
     from ops.bench.gpu_check import Timer, copy_bandwidth
 
-    device = torch.device("cuda" if cuda else "cpu")
     sizes = TINY if args.tiny else FULL
     timer = Timer(device, sizes.repeats)
     name = torch.cuda.get_device_name() if cuda else "cpu (interpreter)"

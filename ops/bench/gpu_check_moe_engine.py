@@ -24,10 +24,7 @@ model, on CPU in Triton's interpreter (the weight kernels through
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -182,17 +179,13 @@ def _weights_on_cpu(cuda: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter check)")
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.tiny:
-        print("gpu_check_moe_engine: no CUDA device; nothing measured (--tiny runs the "
-              "interpreter)", file=sys.stderr)
+    from ops.bench.gpu_check import check_device
+
+    checked = check_device("gpu_check_moe_engine", __doc__, argv)
+    if checked is None:
         return 2
-    if not cuda and "triton" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    device = torch.device("cuda" if cuda else "cpu")
+    args, device = checked
+    cuda = device.type == "cuda"
     sizes = TINY if args.tiny else FULL
     d, hf = sizes.decode, sizes.decode.model.hf_config or {}
     name = torch.cuda.get_device_name() if cuda else "cpu (interpreter)"
