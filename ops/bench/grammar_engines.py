@@ -131,7 +131,7 @@ def main() -> None:
         try:
             compile_s, steps = bench(tok, ids)
         except ImportError:
-            print(f"{name}: not installed, skipped")
+            print(f"{name}: not installed, skipped (`pip install {name}` to compare it)")
             continue
         steps.sort()
         median, p90 = statistics.median(steps), steps[int(len(steps) * 0.9)]
