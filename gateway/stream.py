@@ -159,14 +159,26 @@ class _StreamState:
 
 
 class Stream(_StreamState):
+    """One request's chunks. Single-use: iterating again continues the same request (a
+    cancelled one raises RequestCancelled, a finished one yields nothing); it never sends the
+    request a second time."""
+
     def __init__(self, start: Any, retry: RetryPolicy) -> None:
         super().__init__(retry)
         self._start = start
         self._call: Any = None
+        self._chunks: Iterator[Chunk] | None = None
 
     def __iter__(self) -> Iterator[Chunk]:
+        if self._chunks is None:
+            self._chunks = self._run()
+        return self._chunks
+
+    def _run(self) -> Iterator[Chunk]:
         slept = 0.0
         while True:
+            if self._cancelled:
+                raise RequestCancelled("cancelled by the client")
             self.attempts += 1
             self._call = self._start()
             try:
@@ -199,10 +211,13 @@ class Stream(_StreamState):
 
 
 class AsyncStream(_StreamState):
+    """The asyncio twin of `Stream`, single-use in the same way."""
+
     def __init__(self, start: Any, retry: RetryPolicy) -> None:
         super().__init__(retry)
         self._start = start
         self._call: Any = None
+        self._chunks: AsyncIterator[Chunk] | None = None
 
     async def __aenter__(self) -> AsyncStream:
         return self
@@ -211,9 +226,16 @@ class AsyncStream(_StreamState):
         if self._call is not None and not self._call.done():
             self.cancel()
 
-    async def __aiter__(self) -> AsyncIterator[Chunk]:
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        if self._chunks is None:
+            self._chunks = self._run()
+        return self._chunks
+
+    async def _run(self) -> AsyncIterator[Chunk]:
         slept = 0.0
         while True:
+            if self._cancelled:
+                raise RequestCancelled("cancelled by the client")
             self.attempts += 1
             self._call = self._start()
             try:

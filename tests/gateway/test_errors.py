@@ -171,6 +171,29 @@ def test_client_cancel_is_cancelled_and_frees_the_request(two_workers) -> None:
     assert requests_total("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"]
 
 
+def requests_counted() -> float:
+    return sum(requests_total(r) for r in ("OK", "CANCELLED", "DEADLINE_EXCEEDED"))
+
+
+def test_a_stream_is_single_use_and_never_sends_its_request_twice(two_workers) -> None:
+    before = requests_counted()
+    with client_for(two_workers) as c:
+        stream = c.generate("Count:", max_tokens=600, ignore_eos=True, timeout_s=60)
+        for n, _chunk in enumerate(stream):
+            if n == 1:
+                stream.cancel()
+                break
+        with pytest.raises(RequestCancelled):
+            list(stream)  # the cancelled request, not a new one
+        done = c.generate("Hi", max_tokens=2)
+        first = list(done)
+        assert first and list(done) == []  # a finished stream yields nothing more
+    wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
+    wait_for(lambda: requests_counted() == before + 2, 10, "the gateway to count two requests")
+    time.sleep(0.5)
+    assert requests_counted() == before + 2
+
+
 def test_leaving_a_stream_context_early_cancels_the_request(two_workers) -> None:
     before = requests_total("CANCELLED")
     with client_for(two_workers) as c:
