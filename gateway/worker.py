@@ -48,6 +48,7 @@ from runtime.errors import InvalidArgument, RequestCancelled, TesseraError
 from runtime.input_processor import ProcessedPrompt
 from runtime.loader.checkpoint import Checkpoint
 from runtime.outputs import RequestOutput
+from runtime.threads import release_openmp_pool
 
 if TYPE_CHECKING:
     from runtime.engine import LLMEngine
@@ -357,6 +358,9 @@ async def serve(args: argparse.Namespace, checkpoint: Checkpoint | None = None,
     if not gc.isenabled():  # NOTE: a spawned worker started without it (top of this file)
         gc.freeze()
         gc.enable()
+    # NOTE: the engine steps on AsyncLLM's thread from here; a second OpenMP pool left on this
+    # one would halve its speed (runtime/threads.py)
+    release_openmp_pool()
     llm = AsyncLLM(engine, when_idle=None if adopted else engine.prepare_first_use)
     if group is not None:
         group.stop_with_engine(llm)

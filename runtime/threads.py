@@ -2,12 +2,14 @@
 
 torch's intra-op pool (OpenMP here) runs the matmuls, MKL and the native ops (`at::parallel_for`)
 alike; the inter-op pool is set to one thread, since one engine step is one chain of ops and a
-second pool would only spin beside the first. `thread_env` gives a child process the same
+second pool would only spin beside the first. `release_openmp_pool` leaves one thread's pool the
+only one a process runs (a worker's engine thread). `thread_env` gives a child process the same
 settings before it imports torch (OpenMP and MKL read them at load time).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 from runtime.errors import InvalidArgument
@@ -63,3 +65,41 @@ def apply_num_threads(num_threads: int | None) -> int:
         except RuntimeError:  # already started (set once per process): it stays as it is
             pass
     return torch.get_num_threads()
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    """The GNU OpenMP runtime this process has loaded (torch's), None without one."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {parts[5].strip() for line in maps
+                     if len(parts := line.split(maxsplit=5)) == 6 and "libgomp" in parts[5]}
+    except OSError:  # no /proc: not Linux
+        return None
+    return ctypes.CDLL(sorted(paths)[0]) if paths else None
+
+
+def release_openmp_pool() -> bool:
+    """Free the calling thread's OpenMP thread pool (its threads exit) and run this thread's
+    later parallel regions on itself alone, so that the pool of the thread that goes on
+    computing (an `AsyncLLM`'s engine thread) is the only one in the process.
+
+    Why: GNU libgomp spins at a barrier only while the threads it manages are no more than the
+    cores (libgomp/config/linux/wait.h, `do_spin`; past that it spins 100 times, then sleeps on a
+    futex). A worker builds and warms its engine on the main thread (a pool of 2 threads on 2
+    cores), then steps it on the engine thread with a second pool: every one of a step's ~300
+    parallel regions then went through a futex, and one-sequence decode steps took 20.4 ms
+    against 10.3 ms on the main thread (2-core EPYC; `ops/bench/RESULTS.md`, "OpenMP pools").
+    Call it on the thread that stops computing, after it has. Never in a child forked while
+    its parent's pool had threads (they do not exist in the child, and libgomp would wait for
+    them): the template process forks with one thread (gateway/template_process.py).
+    Returns False where nothing was done: no libgomp (another OpenMP runtime or none, which
+    do not throttle this way), or one without `omp_pause_resource_all` (OpenMP 5.0, GCC 9)."""
+    import torch  # noqa: F401  (loads torch's libgomp)
+
+    lib = _libgomp()
+    if lib is None or not hasattr(lib, "omp_pause_resource_all"):
+        return False
+    if lib.omp_pause_resource_all(1) != 0:  # omp_pause_soft; nonzero inside a parallel region
+        return False
+    lib.omp_set_num_threads(1)  # this thread's ICV only: other threads keep theirs
+    return True
