@@ -30,6 +30,7 @@ import os
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -234,21 +235,21 @@ async def measure(servers: list[Server], args: argparse.Namespace) -> dict[str, 
 
 def reference_steps(results: dict[str, Any], steps: int) -> dict[str, float]:
     """The engine-level all-decode step (bench_step) at each level's mean served decode
-    batch (rounded), in this process: batch -> median wall ms."""
-    from ops.bench.bench_step import _engine, decode_step_ms
-
+    batch (rounded), in a process of its own (this one's client threads would share libgomp
+    with it: runtime/threads.py): batch -> median wall ms."""
     batches = sorted({max(1, round(lv["steps"]["decode"]["mean_decode_rows"]))
                       for tree in results.values() for lv in tree.values()
                       if lv["steps"]["decode"]["mean_decode_rows"]})
     if not batches:
         return {}
-    engine = _engine(None, 256 << 20, max(batches))
-    engine.warm_up()
-    out = {}
-    for b in batches:
-        ms = sorted(decode_step_ms(engine, b, steps)["wall"])
-        out[str(b)] = ms[len(ms) // 2]
-    return out
+    cmd = [sys.executable, "-m", "ops.bench.bench_step", "--json", "--steps", str(steps),
+           "--concurrency", *map(str, batches)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if done.returncode != 0:
+        raise SystemExit(f"the engine-level reference failed:\n{done.stderr[-3000:]}")
+    times = json.loads(done.stdout.strip().splitlines()[-1])
+    return {b: statistics.median(t["wall"]) for b, t in times.items()}
 
 
 def table(results: dict[str, Any], reference: dict[str, float]) -> str:
