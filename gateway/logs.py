@@ -61,7 +61,7 @@ def configure(level: str = "INFO") -> None:
         processors=[structlog.contextvars.merge_contextvars, *shared,
                     structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
+        logger_factory=structlog.WriteLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
 
