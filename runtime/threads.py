@@ -87,8 +87,8 @@ def release_openmp_pool() -> bool:
     cores (libgomp/config/linux/wait.h, `do_spin`; past that it spins 100 times, then sleeps on a
     futex). A worker builds and warms its engine on the main thread (a pool of 2 threads on 2
     cores), then steps it on the engine thread with a second pool: every one of a step's ~300
-    parallel regions then went through a futex, and one-sequence decode steps took 20.4 ms
-    against 10.3 ms on the main thread (2-core EPYC; `ops/bench/RESULTS.md`, "OpenMP pools").
+    parallel regions then went through a futex, and one-sequence decode steps took 13.4 ms
+    against 8.8 ms on the main thread (2-core EPYC; `ops/bench/RESULTS.md`, "OpenMP pools").
     Call it on the thread that stops computing, after it has. Never in a child forked while
     its parent's pool had threads (they do not exist in the child, and libgomp would wait for
     them): the template process forks with one thread (gateway/template_process.py).
