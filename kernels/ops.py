@@ -31,6 +31,7 @@ from types import SimpleNamespace
 import torch
 
 from kernels.block_linear import ref_block_linear
+from kernels.block_panels import ref_block_panels_linear
 from kernels.cpu_ops import native, on_load
 from kernels.fp8 import cpu_fp8_dequantize, ref_fp8_dequantize
 from kernels.fp8_block import ref_fp8_block_linear
@@ -135,6 +136,9 @@ OPS: tuple[OpDecl, ...] = (
     # the block linear's one choice of kernel (kernels/block_linear.py)
     OpDecl(f"block_linear_out({_Q4}, int limbs, Tensor(a!) out) -> ()",
            _writes_out(ref_block_linear), _nothing),
+    # the same over panel-major planes (kernels/block_panels.py): out [M, 16 P]
+    OpDecl("block_panels_linear_out(Tensor x, Tensor pw, Tensor pd, Tensor? pm, int limbs, "
+           "Tensor(a!) out) -> ()", _writes_out(ref_block_panels_linear), _nothing),
     # bf16 x over a bf16 copy of block weights, float32 sums (kernels/qgemm_bf16.py)
     OpDecl("bf16_linear_out(Tensor x, Tensor w, Tensor(a!) out) -> ()",
            _writes_out(ref_bf16_linear), _nothing),

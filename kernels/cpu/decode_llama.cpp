@@ -25,7 +25,8 @@ namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
 // (q8, int8 limbs of x (0: float32 x), qs, d, m, bias): a BlockLinear's planes
-// (runtime/quant/blocks.py).
+// (runtime/quant/blocks.py), or its panel-major planes (pw, pd, pm: kernels/block_panels.py),
+// told apart by 3-d codes.
 using ProjSpec = std::tuple<bool, int64_t, at::Tensor, at::Tensor, OptTensor, OptTensor>;
 // (k, v, k_scale, v_scale, hadamard, k_shift, k_divisor, v_divisor): runtime.kv LayerKV.
 using KVSpec = std::tuple<at::Tensor, at::Tensor, OptTensor, OptTensor, bool, OptTensor,
@@ -46,6 +47,11 @@ struct BlockProj {
   // x: [T, K] float32 contiguous -> [T, N], through the block linear's one choice of kernel,
   // which never depends on T (batch invariance: docs/DESIGN.md).
   at::Tensor operator()(const at::Tensor& x) const {
+    if (qs.dim() == 3) {
+      at::Tensor y = at::empty({x.size(0), qs.size(0) * 16}, x.options());
+      block_panels_linear_out(x, qs, d, m, limbs, y);
+      return bias.has_value() ? y.add_(*bias) : y;
+    }
     at::Tensor y = at::empty({x.size(0), qs.size(0)}, x.options());
     block_linear_out(x, qs, d, m, c10::nullopt, kBlock, limbs, y);
     return bias.has_value() ? y.add_(*bias) : y;

@@ -23,5 +23,6 @@ TORCH_LIBRARY_IMPL(tessera, CPU, m) {
   m.impl("q4_linear_i8_out", &tessera::q4_linear_i8_out);
   m.impl("q8_linear_i8_out", &tessera::q8_linear_i8_out);
   m.impl("block_linear_out", &tessera::block_linear_out);
+  m.impl("block_panels_linear_out", &tessera::block_panels_linear_out);
   m.impl("bf16_linear_out", &tessera::bf16_linear_out);
 }

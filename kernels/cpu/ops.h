@@ -30,6 +30,8 @@ at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d);
 void block_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,
                       c10::optional<at::Tensor> zeros, int64_t group_size, int64_t limbs,
                       at::Tensor out);
+void block_panels_linear_out(at::Tensor x, at::Tensor pw, at::Tensor pd,
+                             c10::optional<at::Tensor> pm, int64_t limbs, at::Tensor out);
 void bf16_linear_out(at::Tensor x, at::Tensor w, at::Tensor out);
 bool bf16_gemm_available();
 bool int8_kernels();

@@ -183,6 +183,10 @@ constexpr int kLanes = 16;
 struct Panel {
   std::vector<int32_t> w;   // [nb][8][16]: dword j of block b, 4 u8 weights (Q8: w + 128)
   std::vector<float> d, m;  // [nb][16]: the blocks' scales (Q4: offsets)
+  // What `tile` reads: the vectors above, or panel-major planes where they already hold it.
+  const int32_t* wp = nullptr;
+  const float* dp = nullptr;
+  const float* mp = nullptr;
 };
 
 // Scales [N, nb] fp16 of rows n0.. (nr of them) into dst [nb][16] float.
@@ -224,6 +228,9 @@ struct Q4Planes {
     }
     panel_scales(d, nb, n0, nr, p.d.data());
     panel_scales(m, nb, n0, nr, p.m.data());
+    p.wp = p.w.data();
+    p.dp = p.d.data();
+    p.mp = p.m.data();
   }
 };
 
@@ -250,6 +257,45 @@ struct Q8Planes {
                             _mm512_xor_si512(v[c], flip));
     }
     panel_scales(d, nb, n0, nr, p.d.data());
+    p.wp = p.w.data();
+    p.dp = p.d.data();
+  }
+};
+
+// Panel-major planes (kernels/block_panels.py lays them out at load): each 16-row panel
+// already in the transposed form `unpack` above builds, so Q8 is read in place and Q4 only
+// has its nibbles split. N is whole panels (nr is always 16).
+template <bool Q8>
+struct PanelPlanes {
+  static constexpr bool kQ8 = Q8;
+  static constexpr int64_t kBlockBytes = Q8 ? 512 : 256;  // one block of a panel as stored
+  const uint8_t* pw;
+  const float* pd;
+  const float* pm;  // Q4 only
+  int64_t nb;
+  const char* row(int64_t n) const {  // n a multiple of 16: where its panel starts
+    return reinterpret_cast<const char*>(pw + n / kLanes * nb * kBlockBytes);
+  }
+  int64_t row_bytes() const { return nb * kBlockBytes / kLanes; }
+  void unpack(int64_t n0, int /*nr*/, Panel& p) const {
+    const int64_t panel = n0 / kLanes;
+    const uint8_t* src = pw + panel * nb * kBlockBytes;
+    if constexpr (Q8) {
+      p.wp = reinterpret_cast<const int32_t*>(src);
+    } else {
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      for (int64_t b = 0; b < nb; ++b)
+        for (int c = 0; c < 4; ++c) {
+          const __m512i v = _mm512_loadu_si512(src + b * kBlockBytes + c * 64);
+          int32_t* dst = p.w.data() + (b * 8 + c) * kLanes;
+          _mm512_storeu_si512(dst, _mm512_and_si512(v, low4));
+          _mm512_storeu_si512(dst + 4 * kLanes,
+                              _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        }
+      p.wp = p.w.data();
+      p.mp = pm + panel * nb * kLanes;
+    }
+    p.dp = pd + panel * nb * kLanes;
   }
 };
 
@@ -277,7 +323,7 @@ void tile(const Panel& p, const QuantX& x, int64_t i0, int64_t n0, int nr, float
     __m512i s[L][MR];
     for (int l = 0; l < L; ++l)
       for (int i = 0; i < MR; ++i) s[l][i] = _mm512_setzero_si512();
-    const int32_t* wb = p.w.data() + b * 8 * kLanes;
+    const int32_t* wb = p.wp + b * 8 * kLanes;
     const int8_t* xb = x.block(b, i0);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
@@ -290,13 +336,13 @@ void tile(const Panel& p, const QuantX& x, int64_t i0, int64_t n0, int nr, float
       for (int l = 0; l < L; ++l)
         for (int i = 0; i < MR; ++i)
           s[l][i] = _mm512_add_epi32(s[l][i], _mm512_set1_epi32(x.corr[l][e + i]));
-    const __m512 dv = _mm512_loadu_ps(p.d.data() + b * kLanes);
+    const __m512 dv = _mm512_loadu_ps(p.dp + b * kLanes);
     for (int i = 0; i < MR; ++i) {
       __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s[0][i]), _mm512_set1_ps(x.dx[0][e + i]));
       if constexpr (L == 2)
         v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1][i]), _mm512_set1_ps(x.dx[1][e + i]), v);
       if constexpr (!kQ8)
-        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(p.m.data() + b * kLanes),
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(p.mp + b * kLanes),
                                  _mm512_set1_ps(x.sx[e + i]), acc[i]);
       acc[i] = _mm512_fmadd_ps(v, dv, acc[i]);
     }
@@ -389,6 +435,44 @@ void q8_linear_i8_out(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor out,
   if (M == 0 || N == 0) return;
   const Q8Planes w{qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), nullptr, K / kBlock};
   gemm_limbs(w, x.data_ptr<float>(), M, N, K, true, limbs, out.data_ptr<float>());
+#endif
+}
+
+// x [M, K] float32 over panel-major planes (kernels/block_panels.py): pw uint8 [P, nb, 256]
+// (Q4, with pm) or [P, nb, 512] (Q8), pd and pm float32 [P, nb, 16]; out [M, 16 P].
+void block_panels_linear_out(at::Tensor x, at::Tensor pw, at::Tensor pd,
+                             c10::optional<at::Tensor> pm, int64_t limbs, at::Tensor out) {
+  TORCH_CHECK(pw.dtype() == at::kByte && pw.dim() == 3 && pw.is_contiguous() &&
+                  (pw.size(2) == 256 || pw.size(2) == 512),
+              "panels must be contiguous uint8 [P, nb, 256 (Q4) or 512 (Q8)]");
+  const bool q8 = pw.size(2) == 512;
+  const int64_t P = pw.size(0), nb = pw.size(1), K = nb * kBlock, N = P * kLanes;
+  const auto check_scales = [&](const at::Tensor& s, const char* what) {
+    TORCH_CHECK(s.dtype() == at::kFloat && s.is_contiguous() && s.dim() == 3 &&
+                    s.size(0) == P && s.size(1) == nb && s.size(2) == kLanes,
+                what, " must be contiguous float32 [", P, ", ", nb, ", 16]");
+  };
+  check_scales(pd, "panel scales");
+  TORCH_CHECK(q8 != pm.has_value(), "Q4 panels need their offsets (pm), Q8 panels take none");
+  if (pm.has_value()) check_scales(*pm, "panel offsets");
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
+              "x must be a contiguous float32 [M, ", K, "] tensor");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(out.dtype() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == M && out.size(1) == N,
+              "out must be a contiguous float32 [", M, ", ", N, "] tensor");
+  TORCH_CHECK(int8_kernels(), "int8 kernels are not built for this CPU (no AVX-512 VNNI)");
+  TORCH_CHECK(limbs == 1 || limbs == 2, "limbs must be 1 or 2, got ", limbs);
+#ifdef TESSERA_I8
+  if (M == 0 || N == 0) return;
+  const uint8_t* w = pw.data_ptr<uint8_t>();
+  if (q8) {
+    gemm_limbs(PanelPlanes<true>{w, pd.data_ptr<float>(), nullptr, nb}, x.data_ptr<float>(), M,
+               N, K, true, limbs, out.data_ptr<float>());
+  } else {
+    gemm_limbs(PanelPlanes<false>{w, pd.data_ptr<float>(), pm->data_ptr<float>(), nb},
+               x.data_ptr<float>(), M, N, K, false, limbs, out.data_ptr<float>());
+  }
 #endif
 }
 

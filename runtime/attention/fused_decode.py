@@ -34,6 +34,9 @@ def _proj(linear: nn.Module) -> BlockProjSpec | None:
     bias = None if linear.bias is None else linear.bias.detach()
     if bias is not None and bias.dtype != torch.float32:
         return None
+    if linear.pw is not None:  # the panel-major copy the int8 kernels read (BlockLinear)
+        return BlockProjSpec(linear.kind == "q8", linear.limbs, linear.pw, linear.pd, linear.pm,
+                             bias)
     return BlockProjSpec(linear.kind == "q8", linear.limbs, linear.qs, linear.d, linear.m, bias)
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.block_linear import block_linear
+from kernels.block_panels import BlockPanels, block_panels_linear, pack_block_panels, panels_fit
 from kernels.qgemm_bf16 import bf16_linear
 from kernels.qgemv import (
     BLOCK,
@@ -201,6 +202,16 @@ class BlockLinear(nn.Module):
         self.register_buffer("qs", planes.qs, persistent=False)
         self.register_buffer("d", planes.d, persistent=False)
         self.register_buffer("m", planes.m, persistent=False)
+        # NOTE: int8 activations read a panel-major copy (kernels/block_panels.py), laid out once
+        # here: the same bits as the planes above, without a transpose per call (1.6-2.2x at
+        # one row of x, 1.1-1.3x at 128: ops/bench/RESULTS.md, "Panel-major weights").
+        panels = (pack_block_panels(planes.qs, planes.d, planes.m)
+                  if self.int8 and int8_kernels_available() and planes.zeros is None
+                  and planes.group_size == BLOCK and planes.qs.device.type == "cpu"
+                  and panels_fit(planes.out_features) else None)
+        self.register_buffer("pw", None if panels is None else panels.pw, persistent=False)
+        self.register_buffer("pd", None if panels is None else panels.pd, persistent=False)
+        self.register_buffer("pm", None if panels is None else panels.pm, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -225,6 +236,9 @@ class BlockLinear(nn.Module):
             if self.bf16_weight is None:  # NOTE: dropped again by release_cache() when idle
                 self.bf16_weight = self.dequantize(torch.bfloat16)
             y = bf16_linear(x, self.bf16_weight)
+            return y if self.bias is None else y + self.bias
+        if self.pw is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            y = block_panels_linear(x, BlockPanels(self.pw, self.pd, self.pm), self.limbs)
             return y if self.bias is None else y + self.bias
         return self.planes().linear(x, self.bias, self.limbs)
 

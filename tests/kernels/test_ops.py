@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from kernels.block_panels import pack_block_panels
 from kernels.cpu_ops import native, native_ops
 from kernels.decode_llama import BlockProjSpec, DecodeLayerSpec, FusedLlamaDecode
 from kernels.int4pack import pack_int4pack
@@ -51,6 +52,11 @@ def _q8() -> tuple[torch.Tensor, torch.Tensor]:
     g = _gen()
     qs = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
     return qs, (torch.rand(N, K // 32, generator=g) / 64).half()
+
+
+def _q4_panels() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    p = pack_block_panels(*_q4())
+    return p.pw, p.pd, p.pm
 
 
 def _x(rows: int = 3) -> torch.Tensor:
@@ -104,6 +110,7 @@ def _sample_args() -> dict[str, Callable[[], tuple[object, ...]]]:
         "q4_linear_i8_out": lambda: (_x(), *q4(), torch.empty(3, N), 2),
         "q8_linear_i8_out": lambda: (_x(), *q8(), torch.empty(3, N), 1),
         "block_linear_out": lambda: (_x(), *q4(), None, 32, 2, torch.empty(3, N)),
+        "block_panels_linear_out": lambda: (_x(), *_q4_panels(), 2, torch.empty(3, N)),
         "fp8_dequantize": lambda: (torch.randn(N, K).to(torch.float8_e4m3fn).view(torch.uint8),
                                    torch.rand(N), None),
         "int4pack_mm": lambda: (_x().bfloat16(), pack_int4pack(q4_codes()), 32,
@@ -126,7 +133,7 @@ def _seeded(name: str) -> tuple[object, ...]:
 
 
 def _cpu_kernel_runs(name: str) -> bool:
-    if name.endswith("_i8_out") or name == "block_linear_out":  # its sample takes int8 limbs
+    if name.endswith("_i8_out") or name in ("block_linear_out", "block_panels_linear_out"):
         return native() is not None and bool(torch.ops.tessera.cpu_int8_kernels())
     if "bf16" in name:
         return native() is not None and bool(torch.ops.tessera.cpu_bf16_gemm())
@@ -161,7 +168,7 @@ def test_op_equals_its_twin(name):
     if got is None:  # an in-place op: compare what it wrote
         got = [a for a in args if isinstance(a, torch.Tensor)]
         want = [a for a in twin_args if isinstance(a, torch.Tensor)]
-    tol = 2e-2 if "i8" in name or "bf16" in name or name == "block_linear_out" else 1e-5
+    tol = 2e-2 if "i8" in name or "bf16" in name or name.startswith("block_") else 1e-5
     if name == "int4pack_mm":  # bf16 output: one rounding apart
         tol = 1e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
