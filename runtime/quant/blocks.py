@@ -204,7 +204,7 @@ class BlockLinear(nn.Module):
         self.register_buffer("m", planes.m, persistent=False)
         # NOTE: int8 activations read a panel-major copy (kernels/block_panels.py), laid out once
         # here: the same bits as the planes above, without a transpose per call (1.6-2.2x at
-        # one row of x, 1.1-1.3x at 128: ops/bench/RESULTS.md, "Panel-major weights").
+        # one row of x, 1.1-1.3x at 128: ops/bench/RESULTS.md, issue 32's session-15 peers run).
         panels = (pack_block_panels(planes.qs, planes.d, planes.m)
                   if self.int8 and int8_kernels_available() and planes.zeros is None
                   and planes.group_size == BLOCK and planes.qs.device.type == "cpu"
