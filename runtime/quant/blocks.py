@@ -207,7 +207,7 @@ class BlockLinear(nn.Module):
         # one row of x, 1.1-1.3x at 128: ops/bench/RESULTS.md, issue 32's session-15 peers run).
         panels = (pack_block_panels(planes.qs, planes.d, planes.m)
                   if self.int8 and int8_kernels_available() and planes.zeros is None
-                  and planes.group_size == BLOCK and planes.qs.device.type == "cpu"
+                  and planes.group_size == BLOCK
                   and panels_fit(planes.out_features) else None)
         self.register_buffer("pw", None if panels is None else panels.pw, persistent=False)
         self.register_buffer("pd", None if panels is None else panels.pd, persistent=False)
@@ -237,7 +237,7 @@ class BlockLinear(nn.Module):
                 self.bf16_weight = self.dequantize(torch.bfloat16)
             y = bf16_linear(x, self.bf16_weight)
             return y if self.bias is None else y + self.bias
-        if self.pw is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        if self.pw is not None and x.dtype == torch.float32:
             y = block_panels_linear(x, BlockPanels(self.pw, self.pd, self.pm), self.limbs)
             return y if self.bias is None else y + self.bias
         return self.planes().linear(x, self.bias, self.limbs)
