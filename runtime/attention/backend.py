@@ -76,7 +76,7 @@ class BatchLayout:
 class AttentionBackend(abc.ABC):
     """Builds its metadata from a `BatchLayout`, stores K/V and attends, layer by layer.
 
-    Capability flags: `runs_fused_decode` (it may run a whole all-decode step in one call,
+    Capability flags: `runs_fused_decode` (it may run a whole step in one call,
     `run_fused_decode`), `cuda_graph_safe` (its metadata and kernels keep fixed addresses and
     shapes, so a step may be captured). Subclasses set `name` and override the three methods.
     """
@@ -117,8 +117,9 @@ class AttentionBackend(abc.ABC):
 
     def run_fused_decode(self, model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata, kv_cache: object) -> torch.Tensor | None:
-        """The last layer's hidden states [T, hidden] for an all-decode step run in one call,
-        or None where this backend has no fused step for `model` (its layers run instead)."""
+        """The last layer's hidden states [T, hidden] for a step run in one call (the CPU
+        backend's covers prefill chunks too), or None where this backend has no fused step for
+        `model` or this step (its layers run instead)."""
         return None
 
     def integrity_tracker(self, name: str, pool: PagePool) -> object:

@@ -1,5 +1,6 @@
 """The `cpu` attention backend: the C++ CPU kernels through the `tessera` ops, and the fused
-decode step (`kernels.decode_llama`) for all-decode steps of Llama-family block-weight models.
+step (`kernels.decode_llama`) for every step of Llama-family block-weight models, prefill
+chunks included (each chunk token one row of its decode kernel, as prefill attention is here).
 
 Decode groups: where decode attention pads every sequence to its group's longest context
 (the torch twin does; the C++ op reads each sequence's own pages), decodes (sorted by page
@@ -17,7 +18,7 @@ from kernels import decode_pads_to_longest, paged_decode_attention, paged_prefil
 from kernels import store_kv as store_kv_op
 from kernels.cpu_ops import build_pending, native
 from runtime.attention.backend import AttentionBackend, BatchLayout
-from runtime.attention.fused_decode import FusedSteps
+from runtime.attention.fused_decode import FusedSteps, fused_rows
 from runtime.context import AttentionMetadata, DecodeGroup
 from runtime.kv.cache import LayerKV
 from runtime.progress import waiting
@@ -74,11 +75,11 @@ class CPUAttentionBackend(AttentionBackend):
 
     def run_fused_decode(self, model: nn.Module, x: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata, kv_cache: object) -> torch.Tensor | None:
-        if meta.prefills or len(meta.decodes) != 1 or x.device.type != "cpu":
+        if x.device.type != "cpu":
             return None
         step = self.fused.step_for(model, x, kv_cache)
         if step is None:
             return None
-        group = meta.decodes[0]
+        table, lens = fused_rows(meta)
         cos, sin = model.rotary.cos_sin(positions, x.dtype)  # type: ignore[operator]
-        return step(x, cos, sin, meta.slot_mapping, group.page_table, group.context_lens)
+        return step(x, cos, sin, meta.slot_mapping, table, lens)

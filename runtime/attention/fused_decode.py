@@ -1,13 +1,13 @@
-"""The fused decode step for Llama-family models served from GGUF blocks on CPU
+"""The fused step for Llama-family models served from GGUF blocks on CPU
 (`kernels.decode_llama`): when it applies, and its build from a model and its KV cache, kept
 per model by the `cpu` attention backend (`runtime/attention/cpu.py`).
 
-It applies to an all-decode step (no prefill chunk, one decode group) of a model that allows it
-(`LlamaModel.fused_decode`) whose four
-projections in every layer are `BlockLinear`s with no hooks (tensor-parallel shards add an
-all-reduce hook) and whose activations stay in float32 or int8 at the step's row count
-(bf16's many-row path runs in Python). Otherwise the model's Python forward runs; both give
-the same numbers (tests/runtime/test_fused_decode.py).
+It applies to any step, decodes and prefill chunks alike (each chunk token is one row of the
+decode kernel over its sequence's pages: `fused_rows`), of a model that allows it
+(`LlamaModel.fused_decode`) whose four projections in every layer are `BlockLinear`s with no
+hooks (tensor-parallel shards add an all-reduce hook) and whose activations stay in float32 or
+int8 at the step's row count (bf16's many-row path runs in Python). Otherwise the model's
+Python forward runs; both give the same numbers (tests/runtime/test_fused_decode.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.decode_llama import (
@@ -23,6 +24,7 @@ from kernels.decode_llama import (
     FusedLlamaDecode,
     fused_decode_available,
 )
+from runtime.context import AttentionMetadata
 from runtime.models.layers import RotaryEmbedding
 from runtime.quant.blocks import BlockLinear
 
@@ -75,6 +77,30 @@ def build_fused_decode(model: nn.Module, kv_cache: object) -> FusedLlamaDecode |
                             first.attn.scale, specs)
 
 
+def fused_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of the step as one row of the fused step's attention: its page-table row
+    [T, max_pages] and its context length [T]. A decode is its sequence's row; token i of a
+    prefill chunk of c tokens ending at context length n attends to the first n - c + i + 1
+    tokens over its sequence's pages, which is what `paged_prefill_attention` computes on CPU
+    (the decode kernel, one row per token, `kernels.paged_attention`): the masks of
+    `BatchLayout.prefill_slices` are that causal mask by construction."""
+    if not meta.prefills and len(meta.decodes) == 1:
+        return meta.decodes[0].page_table, meta.decodes[0].context_lens
+    width = max([g.page_table.shape[1] for g in meta.decodes]
+                + [p.page_ids.shape[0] for p in meta.prefills])
+    tables, lens = [], []
+    for g in meta.decodes:
+        tables.append(F.pad(g.page_table, (0, width - g.page_table.shape[1])))
+        lens.append(g.context_lens)
+    for p in meta.prefills:
+        chunk = p.end - p.start
+        row = F.pad(p.page_ids, (0, width - p.page_ids.shape[0]))
+        tables.append(row.unsqueeze(0).expand(chunk, width))
+        lens.append(torch.arange(p.context_len - chunk + 1, p.context_len + 1,
+                                 device=row.device))
+    return torch.cat(tables), torch.cat(lens)
+
+
 class FusedSteps:
     """The fused step of each model, built on first use and again when the KV cache it reads
     (its pages or their key smoothing) is replaced; None where it does not apply."""
@@ -85,7 +111,7 @@ class FusedSteps:
 
     def step_for(self, model: nn.Module, x: torch.Tensor,
                  kv_cache: object) -> FusedLlamaDecode | None:
-        """The step for this all-decode batch `x` [T, hidden]: float32 activations, within the
+        """The step for this batch `x` [T, hidden]: float32 activations, within the
         rows it serves, a model that allows it."""
         if (not getattr(model, "fused_decode", False) or x.dtype != torch.float32
                 or x.shape[0] > max_fused_rows(model)):

@@ -85,7 +85,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     # An attention backend that runs a fused decode step (runtime/attention/fused_decode.py)
-    # may run all-decode steps in one call; False runs the Python layers (its twin) always.
+    # may run a step in one call; False runs the Python layers (its twin) always.
     fused_decode = True
 
     def __init__(self, config: ModelConfig) -> None:

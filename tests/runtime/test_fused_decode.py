@@ -1,7 +1,7 @@
-"""The fused decode step (every layer of an all-decode step in one C++ call,
-`kernels.decode_llama`) against its twin, the model's Python layers: the same step's logits
-and KV pages, per KV format and activation kind; it is taken where it applies and not where it
-does not."""
+"""The fused step (every layer of a step in one C++ call, `kernels.decode_llama`) against its
+twin, the model's Python layers: the same step's logits and KV pages, per KV format and
+activation kind, for an all-decode step and for a mixed one (decodes beside a later chunk of a
+chunked prompt); it is taken where it applies and not where it does not."""
 
 from __future__ import annotations
 
@@ -58,21 +58,43 @@ def _pages(llm: LLM) -> list[torch.Tensor]:
     return [t.clone() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None]
 
 
+def _mixed_step(llm: LLM):
+    """PROMPTS decoding, then a long prompt whose prefill the 64-token budget cuts into chunks:
+    the batch with its second chunk beside the three decodes, scheduled but not yet run."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"fused-{i}", prompt, params)
+    for _ in range(4):
+        engine.step()
+    engine.add_request("fused-long", " ".join(f"word{i}" for i in range(60)), params)
+    engine.step()  # its first chunk, beside the decodes
+    batch = engine.scheduler.schedule()
+    chunks = [s for s in batch.scheduled if s.num_tokens > 1]
+    assert len(chunks) == 1 and chunks[0].seq.num_computed_tokens > 0
+    assert sum(s.num_tokens == 1 for s in batch.scheduled) == len(PROMPTS)
+    return batch
+
+
 @pytest.mark.parametrize(("kv_dtype", "activations"), [
     ("float32", "float32"), ("bfloat16", "float32"), ("fp8", "float32"), ("int8", "float32"),
     ("auto", "int8"), ("auto", "int8x2"),
 ])
-def test_fused_step_equals_the_python_layers(kv_dtype: str, activations: str) -> None:
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_fused_step_equals_the_python_layers(kv_dtype: str, activations: str, step: str) -> None:
     if activations.startswith("int8") and not int8_kernels_available():
         pytest.skip("no AVX-512 VNNI on this CPU: the int8-activation kernels are not built")
     llm = LLM(kv_cache_bytes=32 << 20, max_num_seqs=4, enable_prefix_caching=False,
-              kv_cache_dtype=kv_dtype, gguf_activations=activations)
+              kv_cache_dtype=kv_dtype, gguf_activations=activations, max_num_batched_tokens=64)
     model = _model(llm)
-    batch = _decode_step(llm)
+    batch = _decode_step(llm) if step == "decode" else _mixed_step(llm)
     before = _pages(llm)
+    assert _built(llm) is not None and _built(llm)[2] is not None, "the fused step is built"
+    _built(llm)[2].set_profiling("cpu")
     _, fused = llm.engine.runner.execute(batch)
+    assert _built(llm)[2].phase_ms()["attention"] > 0, "the fused step ran this step"
+    _built(llm)[2].set_profiling(None)
     fused_pages = _pages(llm)
-    assert _built(llm) is not None and _built(llm)[2] is not None, "the fused step ran"
     model.fused_decode = False  # the instance only: the twin, the Python layers
     try:
         _, python = llm.engine.runner.execute(batch)
