@@ -28,7 +28,7 @@ import torch
 log = logging.getLogger("tessera.kernels")
 
 _SOURCES = ("ops.cpp", "paged_decode.cpp", "store_kv.cpp", "e4m3_gather.cpp", "qgemv.cpp",
-            "qgemv_i8.cpp", "norm.cpp", "decode_llama.cpp")
+            "qgemv_i8.cpp", "norm.cpp", "activation.cpp", "decode_llama.cpp")
 
 
 _ROOT = Path(__file__).parent / "cpu"

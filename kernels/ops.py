@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
+from kernels.activation import ref_silu_mul
 from kernels.block_linear import ref_block_linear
 from kernels.block_panels import ref_block_panels_linear
 from kernels.cpu_ops import native, on_load
@@ -113,6 +114,9 @@ OPS: tuple[OpDecl, ...] = (
                                              dtype=torch.float32)),
     OpDecl("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor",
            ref_add_rms_norm, lambda x, delta, weight, eps: torch.empty_like(x)),
+    # SwiGLU: gate_up [T, 2 I] -> silu(gate) * up [T, I] (kernels/activation.py)
+    OpDecl("silu_mul(Tensor gate_up) -> Tensor", ref_silu_mul,
+           lambda gu: gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)),
     # Block-quantized linears (layout: kernels/qgemv.py): x [M, K] float32 -> out [M, N]
     OpDecl(f"q4_linear_out({_Q4}, Tensor(a!) out) -> ()",
            _writes_out(lambda x, qs, d, m, zeros, g: ref_q4_linear(x, qs, d, m, g, zeros)),

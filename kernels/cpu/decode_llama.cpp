@@ -1,7 +1,9 @@
-// One decode step through every layer of a Llama-family decoder in one call: the ops of
+// One step through every layer of a Llama-family decoder in one call: the ops of
 // runtime/models/llama.py (LlamaDecoderLayer.forward over block weights and paged KV), the
 // same kernels in the same order, with no Python between them. At one sequence the Python and
-// dispatch between a step's ~700 small ops cost about as much as its matmuls (issue 16).
+// dispatch between a step's ~700 small ops cost about as much as its matmuls (issue 16). Rows
+// are decodes or prefill chunk tokens alike: each attends over its own page-table row and
+// context length (runtime/attention/fused_decode.py `fused_rows`).
 #include <c10/core/InferenceMode.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -193,9 +195,9 @@ class LlamaDecode : public torch::CustomClassHolder {
       clock.mark(kO);
       h = add_rms_norm(x, o, l.post_norm, eps_);
       clock.mark(kNorm);
-      const std::vector<at::Tensor> gate_up = l.gate_up(h).chunk(2, -1);
+      const at::Tensor gate_up = l.gate_up(h);
       clock.mark(kGateUp);
-      const at::Tensor act = at::silu(gate_up[0]) * gate_up[1];
+      const at::Tensor act = silu_mul(gate_up);
       clock.mark(kSiluMul);
       pending = l.down(act);
       clock.mark(kDown);

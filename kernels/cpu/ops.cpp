@@ -16,6 +16,7 @@ TORCH_LIBRARY_IMPL(tessera, CPU, m) {
   m.impl("paged_decode_attention", &tessera::paged_decode_attention);
   m.impl("store_kv_rows", &tessera::store_kv_rows);
   m.impl("add_rms_norm", &tessera::add_rms_norm);
+  m.impl("silu_mul", &tessera::silu_mul);
   m.impl("q4_linear_out", &tessera::q4_linear_out);
   m.impl("q8_linear_out", &tessera::q8_linear_out);
   m.impl("q4_dequantize", &tessera::q4_dequantize);

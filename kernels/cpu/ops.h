@@ -15,6 +15,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
 void store_kv_rows(at::Tensor x, at::Tensor cache, at::Tensor slots,
                    c10::optional<at::Tensor> scale, bool hadamard,
                    c10::optional<at::Tensor> shift, c10::optional<at::Tensor> divisor);
+at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight,
                         double eps);
 void q4_linear_out(at::Tensor x, at::Tensor qs, at::Tensor d, c10::optional<at::Tensor> m,

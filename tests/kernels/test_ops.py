@@ -103,6 +103,7 @@ def _sample_args() -> dict[str, Callable[[], tuple[object, ...]]]:
         "gather_e4m3_rows": lambda: (_pages(torch.uint8)[0].view(KVH * PAGES, PAGE * D),
                                      torch.tensor([3, 0, 5])),
         "add_rms_norm": lambda: (torch.randn(3, K), torch.randn(3, K), torch.rand(K), 1e-5),
+        "silu_mul": lambda: (torch.randn(3, 2 * K),),
         "q4_linear_out": lambda: (_x(), *q4()[:2], q4()[2], None, 32, torch.empty(3, N)),
         "q8_linear_out": lambda: (_x(), *q8(), torch.empty(3, N)),
         "q4_dequantize": lambda: (*q4(), None, 32),
