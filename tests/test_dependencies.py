@@ -29,6 +29,18 @@ def issues(output: str) -> list[str]:
     return [f"{m[1]} {m[2]}" for m in re.finditer(r"(DEP\d{3}) '([^']+)'", output)]
 
 
+def test_no_installed_distribution_claims_a_product_package_name():
+    """Another distribution with a top-level module named like one of ours (Hugging Face's
+    `kernels`, which transformers 5.25 requires) shadows it or is shadowed by it: whichever
+    comes first on sys.path wins the import for every caller, so both break."""
+    from importlib.metadata import packages_distributions
+
+    claimed = {name: [d for d in dists if d != "tessera"]
+               for name, dists in packages_distributions().items() if name in PRODUCT}
+    clashes = {name: dists for name, dists in claimed.items() if dists}
+    assert not clashes, f"installed distributions that claim tessera's packages: {clashes}"
+
+
 def test_every_product_import_is_declared_and_every_declaration_used():
     code, output = deptry(REPO)
     assert code == 0, f"dependency issues (declare them in pyproject.toml):\n{output}"
