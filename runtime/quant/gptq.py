@@ -18,7 +18,7 @@ import torch
 
 from runtime.errors import InvalidArgument
 from runtime.formats import INT4_GROUP_SIZES
-from runtime.quant.int4 import best_group_params, quantize_to_codes
+from runtime.quant.int4 import best_group_params
 
 
 def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
@@ -57,8 +57,11 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
     weight = weight[:, order]
     h_inv = _upper_inverse_cholesky(h[order][:, order], name)
     codes = torch.empty(out_dim, in_dim, dtype=torch.uint8)
+    pivots = h_inv.diagonal().tolist()
     # NOTE: blocks of group_size columns in processing order; in natural order each block is
-    # one group, whose parameters are chosen as the block is reached.
+    # one group, whose parameters are chosen as the block is reached. The column loop runs
+    # ~in_dim times per tensor, so it keeps to few torch calls (what it computes is the
+    # textbook update: quantize column i, push its error onto the block's later columns).
     for start in groups:
         end = min(start + group_size, in_dim)
         block = weight[:, start:end]  # a view: updates land in `weight`
@@ -68,15 +71,17 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
             offset[:, start // group_size] = g_offset.squeeze(1)
         col_group = order[start:end] // group_size
         col_scale, col_offset = scale.double()[:, col_group], offset.double()[:, col_group]
+        q_block = torch.empty(out_dim, end - start, dtype=torch.float64)
         errors = torch.empty(out_dim, end - start, dtype=torch.float64)
         for i in range(end - start):
             j = start + i
-            s, o = col_scale[:, i], col_offset[:, i]
-            q = quantize_to_codes(block[:, i : i + 1], s, o).squeeze(1)
-            codes[:, order[j]] = q.to(torch.uint8)
-            err = (block[:, i] - (q - o) * s) / h_inv[j, j]
-            block[:, i:] -= err.unsqueeze(1) * h_inv[j, j:end].unsqueeze(0)
+            s, o, column = col_scale[:, i], col_offset[:, i], block[:, i]
+            q = torch.round(column / s).add_(o).clamp_(0, 15)  # quantize_to_codes, one column
+            q_block[:, i] = q
+            err = (column - (q - o) * s) / pivots[j]
             errors[:, i] = err
+            block[:, i + 1:] -= err.unsqueeze(1) * h_inv[j, j + 1:end].unsqueeze(0)
+        codes[:, order[start:end]] = q_block.to(torch.uint8)
         weight[:, end:] -= errors @ h_inv[start:end, end:]
     return codes, scale, None if symmetric else offset.to(torch.uint8)
 

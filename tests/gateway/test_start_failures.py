@@ -124,7 +124,7 @@ def served(tmp_path):
 def test_a_worker_that_cannot_start_gives_a_typed_error_and_serve_exits_non_zero(
         served, tmp_path):
     missing = tmp_path / "no-such-model.gguf"
-    s = served(missing, start_timeout_s=45)
+    s = served(missing, start_timeout_s=25)
     s.wait_for("REST shim on")
     with pytest.raises(WorkerStartFailed) as failed:  # waits for the one start, then at once
         s.generate()

@@ -22,27 +22,44 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _compile(script: str, cache: Path) -> str:
-    """Run tests/kernels/`script` for sm_90 (its own Triton cache); its stdout, once it exits
-    0 (else the test fails with its output's tail)."""
+SCRIPTS = ("triton_compile_sm90.py", "triton_compile_gemm_sm90.py",
+           "triton_compile_sm90_moe_mla.py")
+
+
+@pytest.fixture(scope="module")
+def compiles(tmp_path_factory) -> dict[str, subprocess.Popen]:
+    """Every family's script started at once (each its own Triton cache), so the compilers
+    share the cores; the tests below wait for theirs."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(cache), TRITON_DEFAULT_FP_FUSION="1",
+    env.update(TRITON_DEFAULT_FP_FUSION="1",
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done.stdout
+    running = {script: subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name(script))], cwd=ROOT, text=True,
+        env={**env, "TRITON_CACHE_DIR": str(tmp_path_factory.mktemp("triton-cache"))},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for script in SCRIPTS}
+    yield running
+    for proc in running.values():
+        proc.kill()
+        proc.wait()
 
 
-def test_every_paged_kv_kernel_variant_compiles_to_an_sm90_cubin(tmp_path):
-    assert _compile("triton_compile_sm90.py", tmp_path).count("ok ") == 18
+def _compile(compiles: dict[str, subprocess.Popen], script: str) -> str:
+    """tests/kernels/`script`'s stdout for sm_90 once it exits 0 (else the test fails with its
+    output's tail)."""
+    stdout, stderr = compiles[script].communicate(timeout=900)
+    assert compiles[script].returncode == 0, stdout[-2000:] + stderr[-4000:]
+    return stdout
 
 
-def test_every_matmul_variant_compiles_to_a_pipelined_sm90_cubin(tmp_path):
+def test_every_paged_kv_kernel_variant_compiles_to_an_sm90_cubin(compiles):
+    assert _compile(compiles, "triton_compile_sm90.py").count("ok ") == 18
+
+
+def test_every_matmul_variant_compiles_to_a_pipelined_sm90_cubin(compiles):
     # W4A16 at each row bucket and offset kind, block-FP8 with both scale forms, the FP8
     # quantizer, the split reduce: K loops software-pipelined, the FP8 dot on wgmma
-    assert _compile("triton_compile_gemm_sm90.py", tmp_path).count("ok ") == 23
+    assert _compile(compiles, "triton_compile_gemm_sm90.py").count("ok ") == 23
 
 
-def test_every_moe_and_mla_kernel_variant_compiles_to_an_sm90_cubin(tmp_path):
-    assert _compile("triton_compile_sm90_moe_mla.py", tmp_path).count("ok ") == 18
+def test_every_moe_and_mla_kernel_variant_compiles_to_an_sm90_cubin(compiles):
+    assert _compile(compiles, "triton_compile_sm90_moe_mla.py").count("ok ") == 18

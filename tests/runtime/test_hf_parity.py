@@ -3,7 +3,12 @@ with staggered arrivals and chunked prefill, and logits at prefill and decode st
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +16,7 @@ import torch
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from tests.helpers import capture_logits
+from tests.hf_greedy_reference import greedy
 
 pytestmark = pytest.mark.slow
 
@@ -19,6 +25,7 @@ NEW_TOKENS = 64
 # (fused qkv / gate_up matmuls, paged attention), which moves them by ~1e-5. 1e-3 leaves room
 # for that and for nothing else: a wrong rope position, mask or page shifts them by > 0.1.
 LOGITS_ATOL = 1e-3
+ROOT = Path(__file__).resolve().parents[2]
 
 _RECIPE = " ".join(
     f"Step {i}: mix {i * 3 + 7} grams of flour with {i % 5 + 2} eggs, then stir for "
@@ -79,17 +86,32 @@ def hf_ids(hf_tokenizer, text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_model, hf_tokenizer) -> dict[int, list[int]]:
-    """transformers' greedy continuation of every prompt, one prompt at a time (no padding)."""
-    refs = {}
-    with torch.inference_mode():
-        for i, text in enumerate(PROMPTS):
-            ids = torch.tensor([hf_ids(hf_tokenizer, text)])
-            # NOTE: no eos_token_id rather than min_new_tokens: min_new_tokens masks EOS out of
-            # the logits, while ignore_eos only keeps going after an EOS that wins the argmax.
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=NEW_TOKENS, eos_token_id=None)
-            refs[i] = out[0, ids.shape[1]:].tolist()
+def hf_greedy(request, hf_tokenizer) -> dict[int, list[int]]:
+    """transformers' greedy continuation of every prompt, one prompt at a time (no padding) on
+    one thread: 9 of the 22 prompts in a process of their own (tests/hf_greedy_reference.py,
+    which loads the model itself, ~20 s), the rest here meanwhile, so the reference takes both
+    cores instead of one."""
+    ids = [hf_ids(hf_tokenizer, text) for text in PROMPTS]
+    theirs = [i for i in range(len(PROMPTS)) if i % 5 in (1, 3)]
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-m", "tests.hf_greedy_reference", str(NEW_TOKENS)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env=env)
+    try:
+        assert child.stdin is not None
+        child.stdin.write(json.dumps([ids[i] for i in theirs]))
+        child.stdin.close()
+        mine = [i for i in range(len(PROMPTS)) if i not in theirs]
+        model = request.getfixturevalue("hf_model")  # loads while the child loads its own
+        refs = dict(zip(mine, greedy(model, [ids[i] for i in mine], NEW_TOKENS), strict=True))
+        assert child.stdout is not None
+        out = child.stdout.read()
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0, f"the reference process exited {child.returncode}"
+    refs.update(zip(theirs, json.loads(out), strict=True))
     return refs
 
 
