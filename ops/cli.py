@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from runtime import ShadowedPackageError, check_packages
 from runtime.errors import TesseraError
 
 
@@ -29,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:  # NOTE: before any import that reaches `kernels`, which would fail far from the cause
+        check_packages()
+    except ShadowedPackageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if argv[:1] == ["plan"]:  # the planner owns its flags and imports no torch
         from ops.planner.cli import main as plan_main
 

@@ -28,6 +28,10 @@ if [ -n "$extras" ] && ! command -v promtool >/dev/null; then
   fi
 fi
 command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
+# Another distribution's `kernels` (Hugging Face's) would shadow tessera's: say so, not later.
+"$PY" -c "import sys, runtime
+try: runtime.check_packages()
+except ImportError as e: sys.exit(f'ops/install.sh: {e}')"
 # The C++ CPU ops compile once per machine (one to a few minutes on 2 cores): here, not on a
 # first request.
 "$PY" -m kernels
