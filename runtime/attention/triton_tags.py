@@ -80,6 +80,55 @@ class DevicePoolState:
         return self.tensors  # type: ignore[return-value]
 
 
+class EntryTables:
+    """The step's [4, sequences, max entries] int64 table of what `verify_pages` checks (actual
+    page id, recorded page id, tag, owner per entry of `checked_entries`) and the entry counts,
+    without a Python pass over every entry every step: each sequence's rows are kept with
+    snapshots of the two lists they came from, reused while the lists hold the same PageRefs
+    (frozen: equal entries are equal values), extended by the new entries when both lists only
+    grew, rebuilt otherwise. A list changed in place (a swapped or replaced entry) therefore
+    never reuses stale rows; comparing the snapshots is C-level work per entry."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[tuple[PageRef, ...], tuple[PageRef, ...], torch.Tensor]] = {}
+        self.entries_built = 0  # entries turned into rows in Python so far (tests, the bench)
+        self.last_checked = 0  # entries in the last table built
+
+    def rows(self, seq: Sequence) -> torch.Tensor:
+        """[4, n] int64: `seq`'s entries as the kernel reads them."""
+        table, recorded = tuple(seq.page_table), tuple(seq.recorded_pages)
+        kept = self._rows.get(id(seq))
+        if kept is not None and kept[0] == table and kept[1] == recorded:
+            return kept[2]
+        if (kept is not None and len(table) == len(recorded) and len(kept[0]) == len(kept[1])
+                and table[:len(kept[0])] == kept[0] and recorded[:len(kept[1])] == kept[1]):
+            n = len(kept[0])
+            rows = torch.cat([kept[2], self._fields(list(zip(table[n:], recorded[n:],
+                                                                strict=True)))], dim=1)
+        else:
+            rows = self._fields(checked_entries(seq))
+        self._rows[id(seq)] = (table, recorded, rows)
+        return rows
+
+    def _fields(self, pairs: list[tuple[PageRef, PageRef]]) -> torch.Tensor:
+        self.entries_built += len(pairs)
+        return torch.tensor(pairs_fields(pairs), dtype=torch.int64).reshape(-1, 4).T
+
+    def build(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table [4, len(seqs), width] int64, entries per sequence [len(seqs)] int32), the
+        padding past each count never read; rows of sequences not in `seqs` are dropped."""
+        per_seq = [self.rows(seq) for seq in seqs]
+        live = {id(seq) for seq in seqs}
+        for key in [k for k in self._rows if k not in live]:
+            del self._rows[key]
+        counts = [r.shape[1] for r in per_seq]
+        self.last_checked = sum(counts)
+        table = torch.zeros(4, len(seqs), max(counts, default=0), dtype=torch.int64)
+        for i, r in enumerate(per_seq):
+            table[:, i, : r.shape[1]] = r
+        return table, torch.tensor(counts, dtype=torch.int32)
+
+
 class DeviceTagIntegrityTracker(TagIntegrityTracker):
     """`tags` on the device. `launch(seqs)`: one `verify_pages` launch, nothing read back;
     `verify_batch(seqs)`: the same, then the first bad page of each failed sequence, as the
@@ -93,42 +142,32 @@ class DeviceTagIntegrityTracker(TagIntegrityTracker):
         super().__init__(pool)
         self.device = device
         self.state = DevicePoolState(pool, device)
+        self.tables = EntryTables()
         self.last_valid: torch.Tensor | None = None
         self._last_cause: torch.Tensor | None = None
         self._row_of: dict[int, int] = {}
 
-    def launch(self, seqs: list[Sequence]) -> list[list[tuple[PageRef, PageRef]]]:
-        """The pass over `seqs`, its flags left on the device; returns each one's entries."""
+    def launch(self, seqs: list[Sequence]) -> None:
+        """The pass over `seqs`, its flags left on the device."""
         start = time.perf_counter()
-        entries = [checked_entries(seq) for seq in seqs]
         self._row_of = {id(seq): i for i, seq in enumerate(seqs)}
-        width = max((len(e) for e in entries), default=0)
-        if width == 0:
+        table, lens = self.tables.build(seqs)
+        if table.shape[2] == 0:
             self.last_valid = torch.ones(len(seqs), dtype=torch.int32, device=self.device)
             self._last_cause = torch.zeros(len(seqs), dtype=torch.int32, device=self.device)
             self.counters.count(0, [], start)
-            return entries
-        # rows: actual page, recorded page, recorded tag, recorded owner; padded with entries
-        # never read (num_entries bounds each row)
-        rows: list[list[int]] = [[], [], [], []]
-        for pairs in entries:
-            fields = pairs_fields(pairs) + [(0, 0, 0, 0)] * (width - len(pairs))
-            for row, values in zip(rows, zip(*fields, strict=True), strict=True):
-                row.extend(values)
-        table = to_device(torch.tensor(rows, dtype=torch.int64).view(4, len(seqs), width),
-                          self.device)
-        lens = to_device(torch.tensor([len(e) for e in entries], dtype=torch.int32),
-                         self.device)
+            return
+        table, lens_d = to_device(table, self.device), to_device(lens, self.device)
         self.last_valid, self._last_cause = launch.verify_pages(
-            table[0], table[1], table[2], table[3], lens, *self.state.flush())
-        self.counters.count(sum(len(e) for e in entries), [], start)
-        return entries
+            table[0], table[1], table[2], table[3], lens_d, *self.state.flush())
+        self.counters.count(self.tables.last_checked, [], start)
 
     def verify_batch(self, seqs: list[Sequence]) -> list[Violation]:
-        entries = self.launch(seqs)
+        self.launch(seqs)
         assert self._last_cause is not None
         causes = self._last_cause.tolist()  # the one copy back
-        violations = [self._first_bad(seqs[s], entries[s]) for s, c in enumerate(causes) if c]
+        violations = [self._first_bad(seqs[s], checked_entries(seqs[s]))
+                      for s, c in enumerate(causes) if c]
         self.counters.mismatches.update(v.cause for v in violations)
         return violations
 

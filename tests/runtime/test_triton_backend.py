@@ -92,6 +92,33 @@ def test_the_device_tag_pass_fails_exactly_the_sequences_the_host_check_fails():
     assert device.counters.num_mismatches == 4
 
 
+def test_the_device_tag_pass_reuses_rows_only_while_nothing_they_came_from_changed():
+    pool = PagePool(4096, 16)
+    seqs = _sequences(pool, [3, 40, 1, 7, 0, 600, 5])
+    device = DeviceTagIntegrityTracker(pool, DEVICE)
+    total = sum(len(s.page_table) for s in seqs)
+    assert device.verify_batch(seqs) == [] and device.tables.entries_built == total
+    assert device.verify_batch(seqs) == [] and device.tables.entries_built == total  # reused
+    ref = pool.allocate(seqs[5].tenant)  # a decode step's new page: only it is built
+    seqs[5].page_table.append(ref)
+    seqs[5].recorded_pages.append(ref)
+    assert device.verify_batch(seqs) == [] and device.tables.entries_built == total + 1
+    # the previous test's corruptions, each made in place after its rows were kept
+    stale = seqs[1].recorded_pages[17]
+    pool.release(stale)
+    pool.allocate("t0")
+    seqs[3].page_table[2] = seqs[0].page_table[0]
+    seqs[5].page_table.append(PageRef(9, 0, 0))
+    pool.release(seqs[6].recorded_pages[4])
+    seqs[2].page_table[0], seqs[0].page_table[1] = seqs[0].page_table[1], seqs[2].page_table[0]
+    host = TagIntegrityTracker(pool).verify_batch(seqs)
+    found = device.verify_batch(seqs)
+    assert [(v.seq.request_id, v.page_id, v.expected_tag, v.found_tag, v.cause) for v in found] \
+        == [(v.seq.request_id, v.page_id, v.expected_tag, v.found_tag, v.cause) for v in host]
+    assert {v.seq.request_id for v in found} == {"r0", "r1", "r2", "r3", "r5", "r6"}
+    assert device.verify_batch(seqs[:2]) != [] and len(device.tables._rows) == 2  # dropped
+
+
 def test_the_device_tag_pass_is_the_triton_backends_tracker():
     pool = PagePool(8, 16)
     backend = make_backend("triton", DEVICE)
