@@ -71,12 +71,10 @@ def engine(llm):
 @pytest.fixture(scope="session")
 def hf_model(default_model_path):
     """transformers' own reading of the same GGUF file, in float32: the correctness oracle."""
-    transformers = pytest.importorskip("transformers")
-    import torch
+    pytest.importorskip("transformers")
+    from tests.hf_greedy_reference import load_model
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32)
-    return model.eval()
+    return load_model(default_model_path)
 
 
 @pytest.fixture(scope="session")

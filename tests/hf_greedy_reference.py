@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -26,14 +27,14 @@ def greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     return out
 
 
-def load_model():
-    """The default model's GGUF as transformers reads it, float32 (as tests/conftest.py's
-    `hf_model`)."""
+def load_model(path: Path | None = None):
+    """A GGUF file (the default model's when None) as transformers reads it, in float32: the
+    oracle (tests/conftest.py's `hf_model`)."""
     import transformers
 
     from runtime.loader import default_model_path
 
-    path = default_model_path()
+    path = default_model_path() if path is None else path
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()

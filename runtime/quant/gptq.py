@@ -18,7 +18,7 @@ import torch
 
 from runtime.errors import InvalidArgument
 from runtime.formats import INT4_GROUP_SIZES
-from runtime.quant.int4 import best_group_params
+from runtime.quant.int4 import best_group_params, quantize_to_codes
 
 
 def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
@@ -76,7 +76,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
         for i in range(end - start):
             j = start + i
             s, o, column = col_scale[:, i], col_offset[:, i], block[:, i]
-            q = torch.round(column / s).add_(o).clamp_(0, 15)  # quantize_to_codes, one column
+            q = quantize_to_codes(column[:, None], s, o)[:, 0]
             q_block[:, i] = q
             err = (column - (q - o) * s) / pivots[j]
             errors[:, i] = err

@@ -88,7 +88,7 @@ class Served:
     def leftovers(self) -> tuple[list[int], list[Path]]:
         return _marked_processes(self.mark), list(self.tmp.glob("tessera-*"))
 
-    def wait_clean(self, timeout_s: float = 20) -> None:
+    def assert_left_clean(self, timeout_s: float = 20) -> None:
         deadline = time.monotonic() + timeout_s
         while any(self.leftovers()) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -162,7 +162,7 @@ def test_sigterm_under_load_ends_every_protocol_typed(served) -> None:
     assert body["error"]["reason"] == "UNAVAILABLE"
     events = results["sse"]
     assert events and json.loads(events[-1])["error"]["reason"] == "UNAVAILABLE"
-    s.wait_clean()
+    s.assert_left_clean()
 
 
 def test_sigkill_leaves_no_worker_and_no_socket_folder(served) -> None:
@@ -171,7 +171,7 @@ def test_sigkill_leaves_no_worker_and_no_socket_folder(served) -> None:
     assert len(s.leftovers()[0]) >= 2 and s.leftovers()[1]
     s.proc.kill()
     s.proc.wait(10)
-    s.wait_clean()
+    s.assert_left_clean()
 
 
 def test_the_printed_curl_line_is_answered(served) -> None:
@@ -190,7 +190,7 @@ def test_sigkill_of_a_tensor_parallel_gateway_leaves_no_rank_and_no_rendezvous(s
     s.wait_for_line("call it:")
     s.proc.kill()
     s.proc.wait(10)
-    s.wait_clean()
+    s.assert_left_clean()
 
 
 def test_ctrl_c_before_the_workers_are_ready_leaves_nothing_behind(served) -> None:
@@ -198,7 +198,7 @@ def test_ctrl_c_before_the_workers_are_ready_leaves_nothing_behind(served) -> No
     s.wait_for_line("starting workers", timeout_s=60)
     s.proc.send_signal(signal.SIGINT)
     assert s.proc.wait(60) == 0
-    s.wait_clean()
+    s.assert_left_clean()
 
 
 def test_ctrl_c_at_a_terminal_drains_like_sigterm(served) -> None:
@@ -223,4 +223,4 @@ def test_ctrl_c_at_a_terminal_drains_like_sigterm(served) -> None:
     t.join(60)
     assert s.proc.wait(60) == 0
     assert result["grpc"] == "UNAVAILABLE"  # the grace period ran out; the worker did not die
-    s.wait_clean()
+    s.assert_left_clean()

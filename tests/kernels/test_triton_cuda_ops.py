@@ -82,7 +82,7 @@ def _filled(dtype: torch.dtype, gen: torch.Generator):
     return k, v, dict(k_scale=k_scale, v_scale=v_scale, hadamard=quant)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     err = (got.float() - want.float()).abs()
     assert bool((err <= ATOL + RTOL * want.float().abs()).all()), f"max |err| {err.max():.3g}"
 
@@ -97,7 +97,7 @@ def test_paged_decode_attention_adapter_matches_the_twin(dtype):
     assert cuda_ops.decode_splits(1, 2, DEVICE) > 1  # the split-K path on the CPU "device"
     got = cuda_ops.paged_decode_attention(q, k, v, table, lens, 0.125, **args)
     want = twin_ops().paged_decode_attention(q.float(), k, v, table, lens, 0.125, **args)
-    _close(got, want)
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
@@ -110,7 +110,7 @@ def test_paged_prefill_attention_adapter_matches_the_twin_with_a_cached_prefix(d
     q = torch.randn(chunk, 8, 64, generator=gen).to(DEVICE, torch.bfloat16)
     got = cuda_ops.paged_prefill_attention(q, k, v, pages, ctx, mask, 0.125, **args)
     want = twin_ops().paged_prefill_attention(q.float(), k, v, pages, ctx, mask, 0.125, **args)
-    _close(got, want)
+    assert_close(got, want)
 
 
 def test_verify_pages_adapter_gives_the_twins_cause_per_entry():

@@ -54,7 +54,7 @@ def _route(gen: torch.Generator, tokens: int, experts: int = EXPERTS, top_k: int
     return weights, ids
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> None:
     assert not got.isnan().any(), "a row was never written (poisoned NaN left)"
     err = (got.float().cpu() - want).abs()
     bound = atol + rtol * want.abs()
@@ -68,8 +68,8 @@ def _run(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, weights: torch.
     return fused_moe(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE), config, out)
 
 
-def _bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    _close(got, want, 1e-2 * float(want.abs().max()), 1e-2)
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert_close(got, want, 1e-2 * float(want.abs().max()), 1e-2)
 
 
 def test_align_groups_rows_by_expert_in_token_order_padded_to_the_block():
@@ -109,7 +109,7 @@ def test_fp32_experts_match_the_per_expert_loop_exactly(tokens):
     x = torch.randn(tokens, HIDDEN, generator=gen)
     weights, ids = _route(gen, tokens)
     got = _run(x, ExpertWeights(w13.to(DEVICE)), ExpertWeights(w2.to(DEVICE)), weights, ids)
-    _close(got, ref_fused_moe(x, w13, w2, weights, ids), 1e-5, 1e-5)
+    assert_close(got, ref_fused_moe(x, w13, w2, weights, ids), 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize(("tokens", "dtype"), [(1, torch.bfloat16), (5, torch.float16),
@@ -121,7 +121,7 @@ def test_half_precision_experts_match_the_per_expert_loop(tokens, dtype):
     weights, ids = _route(gen, tokens)
     got = _run(x, ExpertWeights(w13.to(DEVICE)), ExpertWeights(w2.to(DEVICE)), weights, ids)
     assert got.dtype == dtype
-    _bf16_close(got, ref_fused_moe(x.float(), w13.float(), w2.float(), weights, ids))
+    assert_bf16_close(got, ref_fused_moe(x.float(), w13.float(), w2.float(), weights, ids))
 
 
 def test_experts_that_receive_no_token_launch_no_work_and_the_rest_are_exact():
@@ -135,7 +135,7 @@ def test_experts_that_receive_no_token_launch_no_work_and_the_rest_are_exact():
     # NaN weights in the idle experts: any read of them would poison the output
     w13[3:], w2[3:] = float("nan"), float("nan")
     got = _run(x, ExpertWeights(w13.to(DEVICE)), ExpertWeights(w2.to(DEVICE)), weights, ids)
-    _close(got, ref_fused_moe(x, w13, w2, weights, ids), 1e-5, 1e-5)
+    assert_close(got, ref_fused_moe(x, w13, w2, weights, ids), 1e-5, 1e-5)
 
 
 def test_tied_router_scores_and_a_token_routed_twice_to_one_expert():
@@ -147,12 +147,12 @@ def test_tied_router_scores_and_a_token_routed_twice_to_one_expert():
     weights, ids = select_experts(tied, RoutingConfig(EXPERTS, 4, "softmax", True))
     assert torch.equal(weights, torch.full_like(weights, 0.25))
     got = _run(x, ExpertWeights(w13.to(DEVICE)), ExpertWeights(w2.to(DEVICE)), weights, ids)
-    _close(got, ref_fused_moe(x, w13, w2, weights, ids), 1e-5, 1e-5)
+    assert_close(got, ref_fused_moe(x, w13, w2, weights, ids), 1e-5, 1e-5)
     # a degenerate routing choosing one expert twice: two rows, both summed
     twice = torch.tensor([[5, 5], [2, 5], [5, 2], [0, 0], [5, 5], [9, 1]])
     w = torch.rand(6, 2, generator=gen)
     got = _run(x, ExpertWeights(w13.to(DEVICE)), ExpertWeights(w2.to(DEVICE)), w, twice)
-    _close(got, ref_fused_moe(x, w13, w2, w, twice), 1e-5, 1e-5)
+    assert_close(got, ref_fused_moe(x, w13, w2, w, twice), 1e-5, 1e-5)
 
 
 def test_deepseek_v3_grouped_sigmoid_routing_feeds_the_kernel_as_the_loop():
@@ -166,7 +166,7 @@ def test_deepseek_v3_grouped_sigmoid_routing_feeds_the_kernel_as_the_loop():
                                   torch.randn(16, generator=gen) * 0.1)
     assert torch.allclose(weights.sum(-1), torch.full((9,), 2.5))
     got = _run(x, ExpertWeights(w13.to(DEVICE)), ExpertWeights(w2.to(DEVICE)), weights, ids)
-    _close(got, ref_fused_moe(x, w13, w2, weights, ids), 1e-5, 1e-5)
+    assert_close(got, ref_fused_moe(x, w13, w2, weights, ids), 1e-5, 1e-5)
 
 
 def _fp8_experts(w: torch.Tensor) -> tuple[ExpertWeights, torch.Tensor]:
@@ -212,10 +212,10 @@ def test_block_fp8_experts_match_the_loop_over_their_dequantized_weights(tokens)
     x = torch.randn(tokens, 192, generator=gen)
     weights, ids = _route(gen, tokens, experts=8)
     got = _run(x.bfloat16(), q13, q2, weights, ids)
-    _bf16_close(got, ref_fused_moe(x.bfloat16().float(), d13, d2, weights, ids))
+    assert_bf16_close(got, ref_fused_moe(x.bfloat16().float(), d13, d2, weights, ids))
     # fp32 activations: the same codes and block scales, exact up to fp32 rounding
     got = _run(x, q13, q2, weights, ids)
-    _close(got, ref_fused_moe(x, d13, d2, weights, ids), 1e-5, 1e-5)
+    assert_close(got, ref_fused_moe(x, d13, d2, weights, ids), 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize(("group", "symmetric", "tokens"), [(32, True, 1), (128, False, 3),
@@ -227,9 +227,9 @@ def test_int4_experts_match_the_loop_over_their_dequantized_weights(group, symme
     x = torch.randn(tokens, 256, generator=gen)
     weights, ids = _route(gen, tokens, experts=8)
     got = _run(x, q13, q2, weights, ids)
-    _close(got, ref_fused_moe(x, d13, d2, weights, ids), 1e-5, 1e-5)
+    assert_close(got, ref_fused_moe(x, d13, d2, weights, ids), 1e-5, 1e-5)
     got = _run(x.bfloat16(), q13, q2, weights, ids)
-    _bf16_close(got, ref_fused_moe(x.bfloat16().float(), d13, d2, weights, ids))
+    assert_bf16_close(got, ref_fused_moe(x.bfloat16().float(), d13, d2, weights, ids))
 
 
 def test_mixed_formats_per_projection_and_an_explicit_config():
@@ -239,7 +239,7 @@ def test_mixed_formats_per_projection_and_an_explicit_config():
     x = torch.randn(10, 256, generator=gen)
     weights, ids = _route(gen, 10, experts=8)
     got = _run(x, q13, q2, weights, ids, MoeConfig(32, 32, 64, 4))
-    _close(got, ref_fused_moe(x, d13, d2, weights, ids), 1e-5, 1e-5)
+    assert_close(got, ref_fused_moe(x, d13, d2, weights, ids), 1e-5, 1e-5)
 
 
 def test_expert_weights_refuse_layouts_that_do_not_fit_their_kind():
@@ -292,6 +292,6 @@ def test_w8a8_block_fp8_experts_match_the_loop_over_quantized_activations(tokens
     got = fused_moe(x.to(DEVICE), q13, q2, weights.to(DEVICE), ids.to(DEVICE), out=out,
                     fp8_activations=True)
     want = _w8a8_loop(x, d13, d2, weights, ids)
-    _close(got, want, 1e-3 * float(want.abs().max()), 1e-3)
+    assert_close(got, want, 1e-3 * float(want.abs().max()), 1e-3)
     w8a16 = ref_fused_moe(x, d13, d2, weights, ids)
     assert (want - w8a16).abs().max() > 1e-3 * w8a16.abs().max()  # the activations were rounded

@@ -105,7 +105,7 @@ class LatentPool:
         return torch.cat((nope, pe), dim=-1)[None]
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert not got.isnan().any(), "a row was never written (poisoned NaN left)"
     err = (got.float() - want).abs()
     bound = ATOL + RTOL * want.abs()
@@ -130,7 +130,7 @@ def test_deepseek_v3_latent_512_plus_rope_64_matches_the_torch_backend(fmt):
     scale = 192**-0.5  # DeepSeek-V3's qk_head_dim (128 + 64) ** -0.5
     want = pool.reference(q, scale)
     for splits in (1, 4):
-        _close(_decode(pool, q, scale, splits), want)
+        assert_close(_decode(pool, q, scale, splits), want)
     if pool.quant:  # scales are amax / 448 or / 127: a kernel that dropped them cannot pass
         ones = torch.ones_like(pool.scale)
         unscaled = ref_paged_decode_attention(q.float(), pool.cache, pool.cache, pool.table,
@@ -152,13 +152,13 @@ def test_scaled_down_latents_in_every_rope_format_match_the_reference(fmt, rope_
     want = pool.reference(q, 0.2)
     outs = {s: _decode(pool, q, 0.2, s) for s in (1, 16)}
     for got in outs.values():
-        _close(got, want)
+        assert_close(got, want)
     assert (outs[1].float() - outs[16].float()).abs().max() <= 2e-2
     padded = pool.lens.clone()
     padded[2] = 0
     got = _decode(pool, q, 0.2, 4, padded)
     assert torch.equal(got[2], torch.zeros_like(got[2]))
-    _close(got[[0, 1, 3]], want[[0, 1, 3]])
+    assert_close(got[[0, 1, 3]], want[[0, 1, 3]])
 
 
 def _rope_score_error(fmt: str, rope_mode: str, ratio: float) -> float:

@@ -75,7 +75,7 @@ class Pool:
                     q_scale=self.q_scale, out_scale=self.out_scale)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, atol: float = ATOL, rtol: float = RTOL):
+def assert_close(got: torch.Tensor, want: torch.Tensor, atol: float = ATOL, rtol: float = RTOL):
     assert not got.isnan().any(), "a row was never written (poisoned NaN left)"
     err = (got.float() - want).abs()
     bound = atol + rtol * want.abs()
@@ -124,7 +124,7 @@ def test_decode_matches_the_torch_twin_with_1_and_16_splits(fmt, dim, group):
                                out_dtype=torch.float32,
                                workspace=_workspace(len(lens), heads, splits, dim)
                                if splits > 1 else None)
-        _close(out, want)
+        assert_close(out, want)
         outs[splits] = out
     assert (outs[1] - outs[16]).abs().max() <= SPLIT_ATOL * want.abs().max().clamp(min=1)
     if pool.quant:  # the test would catch a kernel that dropped a descale
@@ -163,10 +163,10 @@ def test_varlen_prefill_chunks_and_decodes_in_one_launch_match_the_twins(fmt, di
         mask = (torch.arange(ctx)[None] <= torch.arange(prefix, ctx)[:, None]).to(DEVICE)
         want = ref_paged_prefill_attention(q[rows].float(), pool.k, pool.v, pages, ctx,
                                            mask if prefix else None, scale, **pool.args())
-        _close(out[rows], want)
+        assert_close(out[rows], want)
         single = launch.paged_prefill_attention(q[rows], pool.k, pool.v, pages, ctx,
                                                 mask if prefix else None, scale, **pool.args())
-        _close(single, want)
+        assert_close(single, want)
 
 
 def test_smoothed_int8_decode_applies_query_and_output_scales_as_the_twin():
@@ -179,7 +179,7 @@ def test_smoothed_int8_decode_applies_query_and_output_scales_as_the_twin():
     for splits in (1, 16):
         got = launch.paged_decode_attention(q, pool.k, pool.v, pool.table, pool.lens, 0.125,
                                             **pool.args(), num_splits=splits)
-        _close(got, want)
+        assert_close(got, want)
 
 
 def test_invalid_sequence_reads_no_kv_and_leaves_the_others_bitwise_unchanged():

@@ -28,7 +28,7 @@ from tests.kernels.test_triton_cuda_ops import _schema_args
 SCHEMAS = {op.name: op.schema for op in OPS}
 
 
-def _rel_close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_rel_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
     # bf16 outputs: one rounding apart (the interpreter truncates fp32 -> bf16)
     rel = 2**-7 if got.dtype == torch.bfloat16 else 1e-5
@@ -63,7 +63,7 @@ def test_w4a16_adapter_matches_the_twin(rows, offsets):
         x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
         got = cuda_ops.w4a16_linear(x, *(a.to(DEVICE) if isinstance(a, torch.Tensor) else a
                                          for a in args))
-        _rel_close(got.cpu(), twin_ops().w4a16_linear(x.cpu(), *args))
+        assert_rel_close(got.cpu(), twin_ops().w4a16_linear(x.cpu(), *args))
 
 
 @pytest.mark.parametrize("scale_rows", [1, 128])
@@ -76,7 +76,7 @@ def test_fp8_block_adapter_matches_the_twin_on_ragged_shapes(scale_rows):
     for rows in (1, 5):
         x = torch.randn(rows, k, generator=gen) * 3
         got = cuda_ops.fp8_block_linear(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE))
-        _rel_close(got.cpu(), twin_ops().fp8_block_linear(x, w, scale))
+        assert_rel_close(got.cpu(), twin_ops().fp8_block_linear(x, w, scale))
 
 
 def _experts(kind: str, gen: torch.Generator, e: int = 4, hidden: int = 64, inter: int = 32):
@@ -111,7 +111,7 @@ def test_fused_moe_adapter_matches_the_twin_with_an_idle_expert(kind):
     args = (w13, s13, z13, w2, s2, z2, weights, ids, kind, 32 if kind == "int4" else 0)
     moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in (x, *args)]
     got = cuda_ops.fused_moe(*moved)
-    _rel_close(got.cpu(), twin_ops().fused_moe(x, *args))
+    assert_rel_close(got.cpu(), twin_ops().fused_moe(x, *args))
 
 
 @pytest.mark.skipif(NATIVE, reason="the switch is the interpreter's (CPU) kernels")

@@ -31,7 +31,7 @@ def _write(path: Path, endian: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE) -> Path
     return path
 
 
-def _same_as_gguf(path: Path) -> None:
+def assert_reads_as_gguf(path: Path) -> None:
     fast, stock = _reader_class()(str(path)), gguf.GGUFReader(str(path))
     assert list(fast.fields) == list(stock.fields)
     for name, field in stock.fields.items():
@@ -44,17 +44,17 @@ def _same_as_gguf(path: Path) -> None:
 
 
 def test_arrays_of_strings_numbers_and_bools_read_as_gguf_reads_them(tmp_path: Path) -> None:
-    _same_as_gguf(_write(tmp_path / "m.gguf"))
+    assert_reads_as_gguf(_write(tmp_path / "m.gguf"))
 
 
 def test_a_file_of_the_other_byte_order_reads_as_gguf_reads_it(tmp_path: Path) -> None:
-    _same_as_gguf(_write(tmp_path / "m.gguf", gguf.GGUFEndian.BIG))
+    assert_reads_as_gguf(_write(tmp_path / "m.gguf", gguf.GGUFEndian.BIG))
 
 
 def test_the_default_models_metadata_reads_as_gguf_reads_it() -> None:
     from runtime.loader import default_model_path
 
-    _same_as_gguf(default_model_path())
+    assert_reads_as_gguf(default_model_path())
 
 
 def test_a_string_running_past_the_end_of_the_file_is_an_error(tmp_path: Path) -> None:
