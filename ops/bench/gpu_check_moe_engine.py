@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ops.bench.gpu_check_engine import Sizes, decode_run
+from ops.bench.gpu_check_engine import Sizes, decode_run, placeholder_tokenizer
 from runtime.config import ModelConfig
 from runtime.loader.checkpoint import Checkpoint
 
@@ -71,14 +71,12 @@ FORMATS = ("int4", "fp8-block")  # both phases in each engine
 
 class GlmMoeRandomCheckpoint(Checkpoint):
     """Random bf16 weights of a GLM-4-MoE config under Hugging Face's names, made on `device`
-    tensor by tensor, with the default model's tokenizer (ids past its vocabulary decode to
-    nothing). Router weights small and the correction bias zero: routing is near uniform."""
+    tensor by tensor, with a placeholder tokenizer. Router weights small and the correction
+    bias zero: routing is near uniform."""
 
     def __init__(self, config: ModelConfig, device: torch.device) -> None:
-        from runtime.loader import open_checkpoint
-
         self.config, self.device = config, device
-        self.tokenizer = open_checkpoint(None).tokenizer
+        self.tokenizer = placeholder_tokenizer()
         self.path = Path("device-random-glm-moe")
         self.revision = f"device-random-glm-moe-{config.num_hidden_layers}x{config.hidden_size}"
 

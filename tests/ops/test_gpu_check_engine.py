@@ -1,7 +1,8 @@
 """ops/bench/gpu_check_engine.py: without CUDA it measures nothing and exits 2; `--tiny` runs
-the engine section (a random model built on the device, a first request served eagerly, the
-capture, decode with graphs on / off and tags off) in Triton's interpreter and prints a row per
-batch, with the static-buffer runner's greedy tokens equal to the eager step's."""
+the engine section (random models built on the device with BF16 and FP8 KV under one budget, a
+first request served eagerly, the capture, decode with graphs on / off and tags off) in
+Triton's interpreter and prints a row per batch, with the static-buffer runner's greedy tokens
+equal to the eager step's, and BF16 out of pages where FP8 still fits."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def test_tiny_runs_the_engine_section_in_the_interpreter():
     pytest.importorskip("triton")
     done = _run("--tiny")
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split(" | ") for line in done.stdout.splitlines() if line[:4] in ("| 1 ", "| 2 ")]
-    assert [r[0] for r in rows] == ["| 1", "| 2"]
-    assert all(r[4] == "yes" for r in rows), rows
+    rows = [line.split(" | ") for line in done.stdout.splitlines()
+            if line[:4] in ("| 1 ", "| 2 ", "| 4 ")]
+    assert [r[0] for r in rows] == ["| 1", "| 2", "| 4"]
+    assert all(r[6] == "yes" for r in rows), rows
+    assert [r[1] == "out of KV" for r in rows] == [False, False, True], rows  # BF16's pages
+    assert all(float(r[2]) > 0 for r in rows), rows  # FP8 holds all four
     assert "0 decode graphs captured" in done.stdout  # no CUDA: the buffers run eagerly
