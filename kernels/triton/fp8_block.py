@@ -50,8 +50,11 @@ def quant_fp8_groups_kernel(q_ptr, s_ptr, x_ptr, K, stride_xm, stride_qm, stride
     x = tl.where(x != x, 0.0, x)
     x = tl.minimum(tl.maximum(x, -F32_MAX), F32_MAX)
     amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    # IEEE division (div_rn) as torch divides: a plain `/` compiles to the GPU's approximate
+    # division, whose codes differed from the twin's on an H200
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full([], FP8_MAX, tl.float32)), MIN_SCALE)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(scale, [GROUP])), -FP8_MAX),
+                   FP8_MAX)
     if SOFT_FP8:
         q = _e4m3_bits(q)
     else:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kernels.hadamard import fwht, kv_rotation_applies
-from kernels.paged_attention import _per_kv_head
+from kernels.hadamard import kv_rotation_applies
 
 MAX_SPLITS = 64
 _QUANT = {torch.uint8: 1, torch.int8: 2}  # page storage dtype -> kernel KV_QUANT code
@@ -90,15 +90,58 @@ def split_targets(out: torch.Tensor, splits: int,
     return part, lse, part.stride()[:3]
 
 
-def merge_splits(out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor) -> None:
+def merge_splits(out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor,
+                 epilogue: _Epilogue | None = None) -> None:
     """out [rows, heads, dim] (any row and head strides) = the split-K partials merged by their
-    log-sum-exps (`split_targets`' tensors), in split order."""
+    log-sum-exps (`split_targets`' tensors), in split order; then `epilogue` (the rotation back
+    and output scale of the attention kernel's 1-byte pages), where given."""
     rows, heads, splits, dim = part.shape
+    ep = epilogue or _Epilogue.none(out)
     _jit()[0].merge_splits_kernel[(rows, heads)](
-        out, part, lse, splits, heads, out.stride(0), out.stride(1),
-        part.stride(0), part.stride(1), part.stride(2),
-        HEAD_DIM=dim, BLOCK_D=_next_pow2(dim), BLOCK_S=_next_pow2(splits), num_warps=4,
+        out, part, lse, ep.out_scale, splits, heads, ep.inv_sqrt_dim, out.stride(0),
+        out.stride(1), part.stride(0), part.stride(1), part.stride(2),
+        HEAD_DIM=dim, BLOCK_D=_next_pow2(dim), BLOCK_S=_next_pow2(splits), GROUP=ep.group,
+        ROTATE=ep.rotate, O_SCALE=ep.has_out_scale, LOG2_D=ep.log2_dim, num_warps=4,
     )
+
+
+@dataclass(frozen=True)
+class _Epilogue:
+    """What the attention kernels do to queries before and to the output after attending:
+    per-channel scales (smoothing) and the Hadamard rotation of rotated 1-byte pages."""
+
+    rotate: bool
+    q_scale: torch.Tensor  # [kv_heads, dim] float32 (a placeholder where unused)
+    out_scale: torch.Tensor
+    has_q_scale: bool
+    has_out_scale: bool
+    group: int
+    dim: int
+
+    @property
+    def inv_sqrt_dim(self) -> float:
+        return 1.0 / math.sqrt(self.dim)
+
+    @property
+    def log2_dim(self) -> int:
+        return max(0, self.dim.bit_length() - 1)
+
+    @classmethod
+    def none(cls, like: torch.Tensor) -> _Epilogue:
+        return cls(False, like, like, False, False, 1, like.shape[-1])
+
+    @classmethod
+    def of(cls, rotate: bool, q_scale: torch.Tensor | None, out_scale: torch.Tensor | None,
+           kv_heads: int, group: int, dim: int, like: torch.Tensor) -> _Epilogue:
+        scales = []
+        for t in (q_scale, out_scale):
+            if t is not None:
+                assert t.shape == (kv_heads, dim), (t.shape, kv_heads, dim)
+                t = t.to(device=like.device, dtype=torch.float32).contiguous()
+            scales.append(t)
+        qs, os_ = scales
+        return cls(rotate, qs if qs is not None else like, os_ if os_ is not None else like,
+                   qs is not None, os_ is not None, group, dim)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -110,7 +153,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_valid: torch.Tensor | None = None, max_seqlen_q: int | None = None,
                     tile_n: int | None = None, out_dtype: torch.dtype | None = None,
                     out: torch.Tensor | None = None,
-                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    fast_cvt: bool | None = None, num_warps: int = 4,
+                    num_stages: int = 2) -> torch.Tensor:
     """Varlen paged attention: sequence s has queries q[cu_seqlens_q[s]:cu_seqlens_q[s+1]],
     the last of its seq_lens[s] tokens (its cached prefix, then this chunk; causal with that
     offset), whose KV lives in the pages block_table[s, :]. Decode is q_len 1.
@@ -126,7 +171,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns [T, heads * dim] in out_dtype (default q's dtype), written into `out` when given
     (contiguous, that shape and dtype). workspace: (partials [T, heads, num_splits, dim],
     lse [T, heads, num_splits]) float32 contiguous for split-K, else allocated here (CUDA
-    graphs pass preallocated ones). AssertionError on shapes, dtypes or strides.
+    graphs pass preallocated ones). fast_cvt: e4m3 pages read by moving their bits into bf16
+    (`_e4m3_shifted`), not by the conversion instructions; None: where that applies (e4m3
+    pages, bf16 queries). tile_n, num_warps, num_stages: the launch config (tuning).
+    AssertionError on shapes, dtypes or strides.
     """
     paged = _jit()[0]
     assert q.dim() == 3 and q.dtype in _QUERY_DTYPES, (q.shape, q.dtype)
@@ -143,37 +191,34 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
     rotated = hadamard and quant != 0
     assert not rotated or kv_rotation_applies(dim), f"no rotation for head size {dim}"
-    post = rotated or out_scale is not None
     group = num_heads // kv_heads
     q_dtype = q.dtype
     out_dtype = out_dtype or q_dtype
-    post = post or out_dtype != q_dtype
-    if q_scale is not None or rotated:
-        qf = _per_kv_head(q.float(), q_scale, kv_heads)
-        q = (fwht(qf) if rotated else qf).to(q_dtype)
+    ep = _Epilogue.of(rotated, q_scale, out_scale, kv_heads, group, dim, q)
     assert q.stride(-1) == 1
     decode = max_seqlen_q == 1 if max_seqlen_q is not None else tokens == num_seqs
     block_m = max(16, _next_pow2(group)) if decode else max(64, _next_pow2(group))
     block_q = block_m // group
     tile = tile_n or (64 if quant else 32)
+    cvt_applies = quant == 1 and q_dtype == torch.bfloat16
+    fast = cvt_applies if fast_cvt is None else fast_cvt
+    assert not fast or cvt_applies, "fast_cvt is for e4m3 pages and bf16 queries"
     if out is not None:
         assert out.shape == (tokens, num_heads * dim) and out.dtype == out_dtype, \
             (out.shape, out.dtype, tokens, num_heads * dim, out_dtype)
         assert out.is_contiguous()
-    final = out
-    if out is None or post:
-        out = torch.empty(tokens, num_heads, dim, dtype=torch.float32 if post else q_dtype,
-                          device=q.device)
-    out = out.view(tokens, num_heads, dim)
+    else:
+        out = torch.empty(tokens, num_heads * dim, dtype=out_dtype, device=q.device)
+    out3 = out.view(tokens, num_heads, dim)
     splits = num_splits
-    target, lse, o_strides = split_targets(out, splits, workspace)
+    target, lse, o_strides = split_targets(out3, splits, workspace)
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     grid = (tokens // block_q + num_seqs, kv_heads, splits)
     paged.paged_attention_kernel[grid](
         target, lse, q, k_cache, v_cache, ks, vs, block_table, seq_lens, cu_seqlens_q,
-        seq_valid if seq_valid is not None else seq_lens,
-        num_seqs, num_heads, float(scale),
+        seq_valid if seq_valid is not None else seq_lens, ep.q_scale, ep.out_scale,
+        num_seqs, num_heads, float(scale), ep.inv_sqrt_dim,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -183,16 +228,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile, KV_QUANT=quant,
         HAS_VALID=seq_valid is not None, SPLIT=splits > 1,
         DOT_F32=_interpreted() or q_dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        ROTATE=ep.rotate, Q_SCALE=ep.has_q_scale, O_SCALE=ep.has_out_scale,
+        LOG2_D=ep.log2_dim, FAST_CVT=fast, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
-        merge_splits(out, target, lse)
-    if post:
-        res = _per_kv_head(fwht(out) if rotated else out, out_scale, kv_heads).to(out_dtype)
-        if final is None:
-            return res.view(tokens, num_heads * dim)
-        out = final.copy_(res.view(tokens, num_heads * dim))
-    return out.view(tokens, num_heads * dim)
+        merge_splits(out3, target, lse, ep)
+    return out
 
 
 

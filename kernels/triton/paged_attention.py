@@ -3,13 +3,39 @@ prefix, with an optional split-K (flash-decoding) mode and the kernel that merge
 
 The layout is tessera's (`runtime/kv/cache.py`): K and V pages [kv_heads, pages, page_size,
 dim], scales [kv_heads, pages, page_size] bf16 for the 1-byte formats, one block table row per
-sequence. Launchers, grids and asserts: `kernels/triton/launch.py`.
+sequence. The 1-byte formats' rotation and smoothing run inside the kernels: queries scaled
+per channel and rotated in the prologue, the output rotated back and scaled in the epilogue
+(or in the merge, for split-K), with the store's butterfly (`store_kv._fwht`), in fp32 as the
+torch twin does them. Launchers, grids and asserts: `kernels/triton/launch.py`.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kernels.triton.store_kv import _bf16_bits, _fwht
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """float32 -> `dtype`, rounded to nearest even (bf16 through its bits: triton 3.9's
+    interpreter truncates fp32 -> bf16 casts)."""
+    if dtype == tl.bfloat16:
+        return _bf16_bits(x).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _rotate_back(o, os_row, inv_sqrt_dim, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                 LOG2_D: tl.constexpr, ROTATE: tl.constexpr, O_SCALE: tl.constexpr):
+    """o [ROWS, BLOCK_D] fp32 -> o H (ROTATE), times the output's per-channel scale `os_row`
+    [BLOCK_D] (O_SCALE): the twin's `fwht(out)` then `_per_kv_head(out, out_scale)`."""
+    if ROTATE:
+        o = _fwht(o, inv_sqrt_dim, ROWS, BLOCK_D, LOG2_D)
+    if O_SCALE:
+        o = o * os_row[None, :]
+    return o
 
 
 @triton.jit
@@ -36,6 +62,24 @@ def _decode_tile(x, KV_QUANT: tl.constexpr, dtype: tl.constexpr):
     elif KV_QUANT == 2:
         x = x.to(tl.float32)  # int8 -> bf16 directly is wrong in triton 3.9's interpreter
     return x.to(dtype)
+
+
+# FAST_CVT: e4m3 bytes become bf16 by moving their bits, b -> (b & 0x80) << 8 | (b & 0x7F) << 4,
+# which is the value times 2**-120 (bias 7 -> 127; subnormals land on bf16 subnormals, so every
+# finite code is exact), in integer ops instead of the GPU's conversion units. The powers of
+# two are folded: queries times 2**64 (exact, keeps q.k' clear of fp32 denormals), scores
+# times 2**56, probabilities times v_scale * 2**112, the output times 2**8.
+Q_SHIFT = tl.constexpr(18446744073709551616.0)  # 2**64
+S_UNSHIFT = tl.constexpr(72057594037927936.0)  # 2**120 / 2**64
+P_SHIFT = tl.constexpr(5192296858534827628530496329220096.0)  # 2**112
+O_UNSHIFT = tl.constexpr(256.0)  # 2**120 / 2**112
+
+
+@triton.jit
+def _e4m3_shifted(x):
+    """e4m3 bytes (uint8) -> bf16 equal to the values times 2**-120 (FAST_CVT)."""
+    b = x.to(tl.uint16)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -74,8 +118,8 @@ def _page_slots(table, pos, n_ok, PAGE_SIZE: tl.constexpr):
 @triton.jit
 def paged_attention_kernel(
     out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-    block_table_ptr, seq_lens_ptr, cu_q_ptr, valid_ptr,
-    num_seqs, num_heads, sm_scale,
+    block_table_ptr, seq_lens_ptr, cu_q_ptr, valid_ptr, qs_ptr, os_ptr,
+    num_seqs, num_heads, sm_scale, inv_sqrt_dim,
     stride_qt, stride_qh,
     stride_kh, stride_kp, stride_ko,
     stride_vh, stride_vp, stride_vo,
@@ -86,10 +130,15 @@ def paged_attention_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, KV_QUANT: tl.constexpr, HAS_VALID: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    ROTATE: tl.constexpr, Q_SCALE: tl.constexpr, O_SCALE: tl.constexpr, LOG2_D: tl.constexpr,
+    FAST_CVT: tl.constexpr,
 ):
     # grid: (q blocks upper bound, kv_heads, splits). Rows of a program: BLOCK_Q query tokens
     # x GROUP query heads of one KV head (GQA packed into M). KV_QUANT: 0 bf16/fp16 pages,
     # 1 e4m3 bytes, 2 int8; 1-byte pages apply the K scale to S and the V scale to P.
+    # Q_SCALE / ROTATE: q times qs [kv_heads, HEAD_DIM], then q H, in fp32, rounded back to
+    # q's dtype; ROTATE / O_SCALE: the output rotated back and times os [kv_heads, HEAD_DIM]
+    # (here, or in merge_splits_kernel for split-K partials).
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,6 +163,15 @@ def paged_attention_kernel(
     q_row = (q_start + q_tok).to(tl.int64)
     q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROTATE or Q_SCALE or FAST_CVT:
+        qf = q.to(tl.float32)
+        if Q_SCALE:
+            qf = qf * tl.load(qs_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
+        if ROTATE:
+            qf = _fwht(qf, inv_sqrt_dim, BLOCK_M, BLOCK_D, LOG2_D)
+        q = _round_to(qf, q_ptr.dtype.element_ty)
+        if FAST_CVT:  # after the rounding: a power of two moves no bit of the mantissa
+            q = (q.to(tl.float32) * Q_SHIFT).to(q_ptr.dtype.element_ty)
     prefix = seq_len - q_len  # cached tokens before this chunk: causal with that offset
     q_pos = prefix + q_tok
     kv_end = tl.minimum(seq_len, prefix + tl.minimum((local + 1) * BLOCK_Q, q_len))
@@ -132,10 +190,16 @@ def paged_attention_kernel(
         page, slot = _page_slots(table, pos, n_ok, PAGE_SIZE)
         k = tl.load(k_base + (page * stride_kp + slot * stride_ko)[None, :] + offs_d[:, None],
                     mask=n_ok[None, :] & d_ok[:, None], other=0)
-        s = _dot(q, _decode_tile(k, KV_QUANT, q.dtype), DOT_F32)  # [BLOCK_M, TILE_N] fp32
+        if FAST_CVT:
+            k = _e4m3_shifted(k)
+        else:
+            k = _decode_tile(k, KV_QUANT, q.dtype)
+        s = _dot(q, k, DOT_F32)  # [BLOCK_M, TILE_N] fp32
         if KV_QUANT != 0:
             ks = tl.load(ks_ptr + kv_head.to(tl.int64) * stride_sh + page * stride_sp + slot,
                          mask=n_ok, other=0.0).to(tl.float32)
+            if FAST_CVT:
+                ks = ks * S_UNSHIFT
             s = s * (ks * qk_scale)[None, :]
         else:
             s = s * qk_scale
@@ -148,14 +212,21 @@ def paged_attention_kernel(
         if KV_QUANT != 0:
             vs = tl.load(vs_ptr + kv_head.to(tl.int64) * stride_sh + page * stride_sp + slot,
                          mask=n_ok, other=0.0).to(tl.float32)
+            if FAST_CVT:
+                vs = vs * P_SHIFT
             p = p * vs[None, :]
         v = tl.load(v_base + (page * stride_vp + slot * stride_vo)[:, None] + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0)
-        v = _decode_tile(v, KV_QUANT, q.dtype)
+        if FAST_CVT:
+            v = _e4m3_shifted(v)
+        else:
+            v = _decode_tile(v, KV_QUANT, q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_F32)
         m_i = m_new
 
     empty = l_i == 0.0  # no visible key (length 0, an invalid sequence, an empty split)
+    if FAST_CVT:
+        acc = acc * O_UNSHIFT
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     o_ptrs = out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     o_mask = row_ok[:, None] & d_ok[None, :]
@@ -164,16 +235,21 @@ def paged_attention_kernel(
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(lse_ptr + (q_row * num_heads + head) * num_splits + split, lse, mask=row_ok)
     else:
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        if ROTATE or O_SCALE:
+            os_row = tl.load(os_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+            o = _rotate_back(o, os_row, inv_sqrt_dim, BLOCK_M, BLOCK_D, LOG2_D, ROTATE, O_SCALE)
+        tl.store(o_ptrs, _round_to(o, out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
 def merge_splits_kernel(
-    out_ptr, part_ptr, lse_ptr, num_splits, num_heads,
+    out_ptr, part_ptr, lse_ptr, os_ptr, num_splits, num_heads, inv_sqrt_dim,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    GROUP: tl.constexpr, ROTATE: tl.constexpr, O_SCALE: tl.constexpr, LOG2_D: tl.constexpr,
 ):
-    # grid: (tokens, heads). Each split's normalized partial is weighted by exp2(its lse - max).
+    # grid: (tokens, heads). Each split's normalized partial is weighted by exp2(its lse - max);
+    # then the attention kernel's epilogue (rotation back, output scale of head // GROUP).
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -189,5 +265,9 @@ def merge_splits_kernel(
                     + offs_s[:, None] * stride_ps + offs_d[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     o = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    if ROTATE or O_SCALE:
+        os_row = tl.load(os_ptr + (head // GROUP) * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        o = tl.reshape(_rotate_back(tl.reshape(o, [1, BLOCK_D]), os_row, inv_sqrt_dim, 1,
+                                    BLOCK_D, LOG2_D, ROTATE, O_SCALE), [BLOCK_D])
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d,
-             o.to(out_ptr.dtype.element_ty), mask=d_ok)
+             _round_to(o, out_ptr.dtype.element_ty), mask=d_ok)

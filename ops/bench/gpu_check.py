@@ -124,7 +124,7 @@ def kv_bytes(fmt: str, tokens: int) -> int:
 
 
 def time_decode(timer: Timer, launch, fmt: str, batch: int, context: int,
-                splits: int) -> float:
+                splits: int, **config: object) -> float:
     device = timer.device
     pages_per_seq = context // PAGE
     num_pages = batch * pages_per_seq
@@ -141,7 +141,7 @@ def time_decode(timer: Timer, launch, fmt: str, batch: int, context: int,
     # hadamard off: the timed kernel is the attention itself (rotation is two small torch ops)
     return timer(lambda: launch.paged_attention(q, k, v, table, lens, cu, DIM**-0.5, ks, vs,
                                                 num_splits=splits, out=out, workspace=work,
-                                                max_seqlen_q=1))
+                                                max_seqlen_q=1, **config))
 
 
 def time_store(timer: Timer, launch, fmt: str, tokens: int) -> float:
@@ -170,9 +170,37 @@ def time_tags(timer: Timer, launch, batch: int, context: int) -> float:
                                              owners, refs))
 
 
+# (tile_n, num_warps, num_stages) per page format, the default first; FP8 also with and
+# without reading its codes by moving bits (fast_cvt)
+SWEEP = {"bf16": [(32, 4, 2), (64, 4, 2), (32, 8, 3), (64, 8, 3), (32, 4, 3), (64, 4, 3)],
+         "fp8": [(64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 3), (64, 4, 3), (128, 4, 3),
+                 (128, 8, 2)],
+         "int8": [(64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 3), (128, 4, 3)]}
+
+
+def sweep(timer: Timer, launch, sizes: Sizes, bw: float, sms: int) -> None:
+    """Decode attention at the largest batch and context over launch configs (tuning)."""
+    batch, context = sizes.batches[-1], sizes.contexts[-1]
+    splits = launch.decode_num_splits(batch, KV_HEADS, sms)
+    print(f"\n| decode attention config, {batch} x {context}, {splits} splits | tile | warps | "
+          "stages | fast cvt | us | GB/s | share of copy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for fmt, configs in SWEEP.items():
+        for tile, warps, stages in configs:
+            for fast in ((False, True) if fmt == "fp8" else (None,)):
+                us = time_decode(timer, launch, fmt, batch, context, splits, tile_n=tile,
+                                 num_warps=warps, num_stages=stages, fast_cvt=fast)
+                gbs = kv_bytes(fmt, batch * context) / (us * 1e-6)
+                print(f"| {fmt} | {tile} | {warps} | {stages} | "
+                      f"{'-' if fast is None else fast} | {us:.1f} | {gbs / 1e9:.0f} | "
+                      f"{gbs / bw:.0%} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter check)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="only the decode attention launch configs (tuning)")
     args = parser.parse_args(argv)
     from kernels.triton import launch
 
@@ -186,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{__import__('triton').__version__}, {stamp}")
     bw = copy_bandwidth(timer, sizes.copy_bytes)
     print(f"copy bandwidth (read + write, {sizes.copy_bytes >> 20} MiB copy_): {bw / 1e9:.0f} GB/s")
+    if args.sweep:
+        sweep(timer, launch, sizes, bw, sms)
+        return 0
     print(f"bf16 matmul {sizes.matmul}^3: {matmul_tflops(timer, sizes.matmul):.0f} TFLOPS")
 
     print("\n| decode attention | batch | context | splits | us | GB/s | share of copy |")

@@ -7,7 +7,7 @@
 # (ops/bench/gpu_check_moe_engine.py: decode tok/s at 1/8/32, prefill tok/s).
 # Each section's output also goes to $LOGS/<section>.log ($OUT where set, else ops/bench/out/).
 # `gpu_check.sh SECTION...` runs only those sections (tests, kernels, gemm, moe_mla, engine,
-# moe_engine). Wheels the machine lacks may be carried in ops/bench/wheels/ (installed with
+# moe_engine; and sweep, not run by default: decode attention's launch configs). Wheels the machine lacks may be carried in ops/bench/wheels/ (installed with
 # --no-index into a folder of their own). Without CUDA: exits 2 at once, one line.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -63,6 +63,7 @@ for section in "${sections[@]}"; do
         tests/kernels/test_triton_w4a16.py tests/kernels/test_triton_fp8_block.py \
         tests/kernels/test_triton_weight_ops.py ;;
     kernels) run kernels 70 "$PY" -m ops.bench.gpu_check ;;
+    sweep) run sweep 90 "$PY" -m ops.bench.gpu_check --sweep ;;
     gemm) run gemm 50 "$PY" -m ops.bench.gpu_check_gemm ;;
     moe_mla) run moe_mla 50 "$PY" -m ops.bench.gpu_check_moe_mla ;;
     engine) run engine 100 "$PY" -m ops.bench.gpu_check_engine ;;

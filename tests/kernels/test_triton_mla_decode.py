@@ -53,9 +53,10 @@ class LatentPool:
         table = draw_pages(self.num_pages, len(lens) * max_pages, gen).view(len(lens), max_pages)
         self.table, self.lens = table.to(DEVICE), torch.tensor(lens, device=DEVICE)
         slots = torch.cat([table[s, :].repeat_interleave(PAGE)[:n] * PAGE
-                           + torch.arange(n) % PAGE for s, n in enumerate(lens)])
-        self.latent = torch.randn(slots.numel(), lora + rope, generator=gen)
-        self.latent[:, lora:] *= rope_ratio
+                           + torch.arange(n) % PAGE for s, n in enumerate(lens)]).to(DEVICE)
+        latent = torch.randn(slots.numel(), lora + rope, generator=gen)
+        latent[:, lora:] *= rope_ratio
+        self.latent = latent.to(DEVICE)
         self._store(slots)
 
     def _store(self, slots: torch.Tensor) -> None:

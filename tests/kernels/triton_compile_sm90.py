@@ -34,12 +34,15 @@ def attention(fmt: str, q: str, split: bool, group: int, dim: int, block_m: int,
     sig = {"out_ptr": "*fp32" if split else q, "lse_ptr": "*fp32", "q_ptr": q, "k_ptr": kv,
            "v_ptr": kv, "ks_ptr": "*bf16", "vs_ptr": "*bf16", "block_table_ptr": "*i64",
            "seq_lens_ptr": "*i64", "cu_q_ptr": "*i32", "valid_ptr": "*i32",
-           "sm_scale": "fp32", **{n: "i64" if n in ("stride_kh", "stride_vh") else "i32"
-                                  for n in ints}}
+           "qs_ptr": "*fp32", "os_ptr": "*fp32", "sm_scale": "fp32", "inv_sqrt_dim": "fp32",
+           **{n: "i64" if n in ("stride_kh", "stride_vh") else "i32" for n in ints}}
+    # the 1-byte formats with their rotation and smoothing fused (queries in, output out)
     _build(paged_attention.paged_attention_kernel, sig, dict(
         GROUP=group, HEAD_DIM=dim, BLOCK_D=dim, PAGE_SIZE=16, BLOCK_M=block_m,
         BLOCK_Q=block_m // group, TILE_N=64 if quant else 32, KV_QUANT=quant, HAS_VALID=True,
-        SPLIT=split, DOT_F32=dot_f32), 4)
+        SPLIT=split, DOT_F32=dot_f32, ROTATE=quant != 0, Q_SCALE=quant != 0,
+        O_SCALE=quant != 0, LOG2_D=dim.bit_length() - 1,
+        FAST_CVT=quant == 1 and q == "*bf16"), 4)
 
 
 def main() -> int:
@@ -51,11 +54,14 @@ def main() -> int:
     for v in variants:
         attention(*v)
         print("ok attention", *v, flush=True)
-    _build(paged_attention.merge_splits_kernel, {
-        "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "num_splits": "i32",
-        "num_heads": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_pt": "i32",
-        "stride_ph": "i32", "stride_ps": "i32"}, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), 4)
-    print("ok merge", flush=True)
+    for rotate in (False, True):
+        _build(paged_attention.merge_splits_kernel, {
+            "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "os_ptr": "*fp32",
+            "num_splits": "i32", "num_heads": "i32", "inv_sqrt_dim": "fp32", "stride_ot": "i32",
+            "stride_oh": "i32", "stride_pt": "i32", "stride_ph": "i32", "stride_ps": "i32"},
+            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16, GROUP=4, ROTATE=rotate, O_SCALE=rotate,
+                 LOG2_D=7), 4)
+        print("ok merge", rotate, flush=True)
     for cache, quant, dim in (("*bf16", 0, 128), ("*u8", 1, 128), ("*i8", 2, 64)):
         names = ["stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ch", "stride_cp",
                  "stride_co", "stride_sh", "stride_sp"]
