@@ -51,6 +51,14 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
     return min(16, _next_pow2(want)) if want > 1 else 1
 
 
+def decode_tile_n(one_byte_pages: bool) -> int:
+    """Keys a decode program reads per inner step: 128 for 1-byte pages, 64 for 2-byte ones
+    (16 KiB of K and V either way). Measured on an H200 (ops/bench/RESULTS.md, GPU check):
+    64 x 8192 tokens of Llama-8B-shaped attention, bf16 at 97% of the copy bandwidth against
+    73% with 32 keys, fp8 47% against 31% with 64; 8 warps or a third stage was slower."""
+    return 128 if one_byte_pages else 64
+
+
 def _kv_format(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
                v_scale: torch.Tensor | None) -> int:
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, (k_cache.shape, v_cache.shape)
@@ -154,8 +162,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     tile_n: int | None = None, out_dtype: torch.dtype | None = None,
                     out: torch.Tensor | None = None,
                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    fast_cvt: bool | None = None, num_warps: int = 4,
-                    num_stages: int = 2) -> torch.Tensor:
+                    num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Varlen paged attention: sequence s has queries q[cu_seqlens_q[s]:cu_seqlens_q[s+1]],
     the last of its seq_lens[s] tokens (its cached prefix, then this chunk; causal with that
     offset), whose KV lives in the pages block_table[s, :]. Decode is q_len 1.
@@ -171,9 +178,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns [T, heads * dim] in out_dtype (default q's dtype), written into `out` when given
     (contiguous, that shape and dtype). workspace: (partials [T, heads, num_splits, dim],
     lse [T, heads, num_splits]) float32 contiguous for split-K, else allocated here (CUDA
-    graphs pass preallocated ones). fast_cvt: e4m3 pages read by moving their bits into bf16
-    (`_e4m3_shifted`), not by the conversion instructions; None: where that applies (e4m3
-    pages, bf16 queries). tile_n, num_warps, num_stages: the launch config (tuning).
+    graphs pass preallocated ones). tile_n (keys per inner step; default `decode_tile_n` for
+    decode, 32 or 64 otherwise), num_warps, num_stages: the launch config.
     AssertionError on shapes, dtypes or strides.
     """
     paged = _jit()[0]
@@ -199,10 +205,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decode = max_seqlen_q == 1 if max_seqlen_q is not None else tokens == num_seqs
     block_m = max(16, _next_pow2(group)) if decode else max(64, _next_pow2(group))
     block_q = block_m // group
-    tile = tile_n or (64 if quant else 32)
-    cvt_applies = quant == 1 and q_dtype == torch.bfloat16
-    fast = cvt_applies if fast_cvt is None else fast_cvt
-    assert not fast or cvt_applies, "fast_cvt is for e4m3 pages and bf16 queries"
+    tile = tile_n or (decode_tile_n(quant != 0) if decode else (64 if quant else 32))
     if out is not None:
         assert out.shape == (tokens, num_heads * dim) and out.dtype == out_dtype, \
             (out.shape, out.dtype, tokens, num_heads * dim, out_dtype)
@@ -229,7 +232,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         HAS_VALID=seq_valid is not None, SPLIT=splits > 1,
         DOT_F32=_interpreted() or q_dtype == torch.float32,
         ROTATE=ep.rotate, Q_SCALE=ep.has_q_scale, O_SCALE=ep.has_out_scale,
-        LOG2_D=ep.log2_dim, FAST_CVT=fast, num_warps=num_warps, num_stages=num_stages,
+        LOG2_D=ep.log2_dim, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         merge_splits(out3, target, lse, ep)

@@ -64,24 +64,6 @@ def _decode_tile(x, KV_QUANT: tl.constexpr, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-# FAST_CVT: e4m3 bytes become bf16 by moving their bits, b -> (b & 0x80) << 8 | (b & 0x7F) << 4,
-# which is the value times 2**-120 (bias 7 -> 127; subnormals land on bf16 subnormals, so every
-# finite code is exact), in integer ops instead of the GPU's conversion units. The powers of
-# two are folded: queries times 2**64 (exact, keeps q.k' clear of fp32 denormals), scores
-# times 2**56, probabilities times v_scale * 2**112, the output times 2**8.
-Q_SHIFT = tl.constexpr(18446744073709551616.0)  # 2**64
-S_UNSHIFT = tl.constexpr(72057594037927936.0)  # 2**120 / 2**64
-P_SHIFT = tl.constexpr(5192296858534827628530496329220096.0)  # 2**112
-O_UNSHIFT = tl.constexpr(256.0)  # 2**120 / 2**112
-
-
-@triton.jit
-def _e4m3_shifted(x):
-    """e4m3 bytes (uint8) -> bf16 equal to the values times 2**-120 (FAST_CVT)."""
-    b = x.to(tl.uint16)
-    return (((b & 0x80) << 8) | ((b & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
-
-
 @triton.jit
 def _dot(a, b, DOT_F32: tl.constexpr):
     """a @ b with fp32 accumulation. DOT_F32 (the interpreter, and fp32 queries): the same
@@ -131,7 +113,6 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr, KV_QUANT: tl.constexpr, HAS_VALID: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     ROTATE: tl.constexpr, Q_SCALE: tl.constexpr, O_SCALE: tl.constexpr, LOG2_D: tl.constexpr,
-    FAST_CVT: tl.constexpr,
 ):
     # grid: (q blocks upper bound, kv_heads, splits). Rows of a program: BLOCK_Q query tokens
     # x GROUP query heads of one KV head (GQA packed into M). KV_QUANT: 0 bf16/fp16 pages,
@@ -163,15 +144,13 @@ def paged_attention_kernel(
     q_row = (q_start + q_tok).to(tl.int64)
     q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if ROTATE or Q_SCALE or FAST_CVT:
+    if ROTATE or Q_SCALE:
         qf = q.to(tl.float32)
         if Q_SCALE:
             qf = qf * tl.load(qs_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
         if ROTATE:
             qf = _fwht(qf, inv_sqrt_dim, BLOCK_M, BLOCK_D, LOG2_D)
         q = _round_to(qf, q_ptr.dtype.element_ty)
-        if FAST_CVT:  # after the rounding: a power of two moves no bit of the mantissa
-            q = (q.to(tl.float32) * Q_SHIFT).to(q_ptr.dtype.element_ty)
     prefix = seq_len - q_len  # cached tokens before this chunk: causal with that offset
     q_pos = prefix + q_tok
     kv_end = tl.minimum(seq_len, prefix + tl.minimum((local + 1) * BLOCK_Q, q_len))
@@ -190,16 +169,10 @@ def paged_attention_kernel(
         page, slot = _page_slots(table, pos, n_ok, PAGE_SIZE)
         k = tl.load(k_base + (page * stride_kp + slot * stride_ko)[None, :] + offs_d[:, None],
                     mask=n_ok[None, :] & d_ok[:, None], other=0)
-        if FAST_CVT:
-            k = _e4m3_shifted(k)
-        else:
-            k = _decode_tile(k, KV_QUANT, q.dtype)
-        s = _dot(q, k, DOT_F32)  # [BLOCK_M, TILE_N] fp32
+        s = _dot(q, _decode_tile(k, KV_QUANT, q.dtype), DOT_F32)  # [BLOCK_M, TILE_N] fp32
         if KV_QUANT != 0:
             ks = tl.load(ks_ptr + kv_head.to(tl.int64) * stride_sh + page * stride_sp + slot,
                          mask=n_ok, other=0.0).to(tl.float32)
-            if FAST_CVT:
-                ks = ks * S_UNSHIFT
             s = s * (ks * qk_scale)[None, :]
         else:
             s = s * qk_scale
@@ -212,21 +185,14 @@ def paged_attention_kernel(
         if KV_QUANT != 0:
             vs = tl.load(vs_ptr + kv_head.to(tl.int64) * stride_sh + page * stride_sp + slot,
                          mask=n_ok, other=0.0).to(tl.float32)
-            if FAST_CVT:
-                vs = vs * P_SHIFT
             p = p * vs[None, :]
         v = tl.load(v_base + (page * stride_vp + slot * stride_vo)[:, None] + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0)
-        if FAST_CVT:
-            v = _e4m3_shifted(v)
-        else:
-            v = _decode_tile(v, KV_QUANT, q.dtype)
+        v = _decode_tile(v, KV_QUANT, q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_F32)
         m_i = m_new
 
     empty = l_i == 0.0  # no visible key (length 0, an invalid sequence, an empty split)
-    if FAST_CVT:
-        acc = acc * O_UNSHIFT
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     o_ptrs = out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     o_mask = row_ok[:, None] & d_ok[None, :]

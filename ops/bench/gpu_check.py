@@ -170,30 +170,28 @@ def time_tags(timer: Timer, launch, batch: int, context: int) -> float:
                                              owners, refs))
 
 
-# (tile_n, num_warps, num_stages) per page format, the default first; FP8 also with and
-# without reading its codes by moving bits (fast_cvt)
-SWEEP = {"bf16": [(32, 4, 2), (64, 4, 2), (32, 8, 3), (64, 8, 3), (32, 4, 3), (64, 4, 3)],
-         "fp8": [(64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 3), (64, 4, 3), (128, 4, 3),
-                 (128, 8, 2)],
-         "int8": [(64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 3), (128, 4, 3)]}
+# (tile_n, num_warps, num_stages) per page format, the default (`decode_tile_n`) first
+SWEEP = {"bf16": [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 4, 1), (128, 8, 2)],
+         "fp8": [(128, 4, 2), (64, 4, 2), (256, 4, 2), (256, 8, 2), (128, 4, 1), (128, 2, 2)],
+         "int8": [(128, 4, 2), (64, 4, 2), (256, 4, 2), (256, 8, 2), (128, 4, 1)]}
 
 
 def sweep(timer: Timer, launch, sizes: Sizes, bw: float, sms: int) -> None:
-    """Decode attention at the largest batch and context over launch configs (tuning)."""
+    """Decode attention at the largest batch and context over launch configs (tuning), with
+    the default split count and with one split."""
     batch, context = sizes.batches[-1], sizes.contexts[-1]
     splits = launch.decode_num_splits(batch, KV_HEADS, sms)
-    print(f"\n| decode attention config, {batch} x {context}, {splits} splits | tile | warps | "
-          "stages | fast cvt | us | GB/s | share of copy |")
+    print(f"\n| decode attention config, {batch} x {context} | tile | warps | stages | splits | "
+          "us | GB/s | share of copy |")
     print("|---|---|---|---|---|---|---|---|")
     for fmt, configs in SWEEP.items():
         for tile, warps, stages in configs:
-            for fast in ((False, True) if fmt == "fp8" else (None,)):
-                us = time_decode(timer, launch, fmt, batch, context, splits, tile_n=tile,
-                                 num_warps=warps, num_stages=stages, fast_cvt=fast)
+            for n in sorted({1, splits}):
+                us = time_decode(timer, launch, fmt, batch, context, n, tile_n=tile,
+                                 num_warps=warps, num_stages=stages)
                 gbs = kv_bytes(fmt, batch * context) / (us * 1e-6)
-                print(f"| {fmt} | {tile} | {warps} | {stages} | "
-                      f"{'-' if fast is None else fast} | {us:.1f} | {gbs / 1e9:.0f} | "
-                      f"{gbs / bw:.0%} |")
+                print(f"| {fmt} | {tile} | {warps} | {stages} | {n} | {us:.1f} | "
+                      f"{gbs / 1e9:.0f} | {gbs / bw:.0%} |")
 
 
 def main(argv: list[str] | None = None) -> int:

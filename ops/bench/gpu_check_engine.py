@@ -186,6 +186,25 @@ def serve_first_request(engine, sizes: Sizes) -> float:
     return eager_s
 
 
+def host_profile(engine, sizes: Sizes, batch: int, top: int = 18) -> None:
+    """Where a decode step's host time goes: one `decode_run` (graphs and tags on) under
+    cProfile, the functions with the most time of their own (a sync shows up as the call that
+    waits, e.g. `tolist`)."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    run = decode_run(engine, sizes, batch, graphs=True, tags=True)
+    profile.disable()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"\nhost profile, batch {batch}, FP8 KV, graphs and tags on (a profiled step: "
+          f"{run.step_s * 1e3:.2f} ms median; prefill and {sizes.steps + 2} decode steps):")
+    print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))
+
+
 def main(argv: list[str] | None = None) -> int:
     from ops.bench.gpu_check import check_device
 
@@ -231,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{off.tok_s(batch):.0f} | {on.tok_s(batch) / off.tok_s(batch):.2f}x | "
               f"{'yes' if on.tokens == off.tokens else 'NO'} | {bare.tok_s(batch):.0f} | "
               f"{cost:+.1%} |")
+    host_profile(fp8, sizes, sizes.batches[-1])
     for kv, engine in engines.items():
         counters = engine.tracker.counters
         if counters.checks_run:

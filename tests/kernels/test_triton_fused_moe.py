@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.triton_pools import DEVICE  # sets TRITON_INTERPRET=1 (before triton) on CPU
+from tests.kernels.triton_pools import DEVICE, NATIVE  # sets TRITON_INTERPRET=1 on CPU
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
@@ -282,7 +282,9 @@ def _w8a8_loop(x: torch.Tensor, d13: torch.Tensor, d2: torch.Tensor, weights: to
 def test_w8a8_block_fp8_experts_match_the_loop_over_quantized_activations(tokens):
     """fp8_activations: x and the SwiGLU activation each quantized per (row, 128 columns) before
     their launch; against the loop quantizing the same inputs (fp32 activations: the
-    quantizer's inputs agree to fp32 rounding, so a code may flip at a rounding tie: 1e-3)."""
+    quantizer's inputs agree to fp32 rounding, so a code may flip at a rounding tie: 1e-3; on a
+    GPU the fp8 tensor cores accumulate with fewer bits than fp32, so more codes flip: 2e-2,
+    measured 1.2e-2 on an H200, and still under half the distance to W8A16)."""
     gen = torch.Generator().manual_seed(300 + tokens)
     w13, w2 = _experts(gen, 8, 192, 96)
     (q13, d13), (q2, d2) = _fp8_experts(w13), _fp8_experts(w2)
@@ -292,6 +294,8 @@ def test_w8a8_block_fp8_experts_match_the_loop_over_quantized_activations(tokens
     got = fused_moe(x.to(DEVICE), q13, q2, weights.to(DEVICE), ids.to(DEVICE), out=out,
                     fp8_activations=True)
     want = _w8a8_loop(x, d13, d2, weights, ids)
-    assert_close(got, want, 1e-3 * float(want.abs().max()), 1e-3)
+    rel = 2e-2 if NATIVE else 1e-3
+    assert_close(got, want, rel * float(want.abs().max()), rel)
     w8a16 = ref_fused_moe(x, d13, d2, weights, ids)
     assert (want - w8a16).abs().max() > 1e-3 * w8a16.abs().max()  # the activations were rounded
+    assert (got.float().cpu() - want).abs().max() < 0.5 * (want - w8a16).abs().max()

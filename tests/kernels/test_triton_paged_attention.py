@@ -224,39 +224,3 @@ def test_launcher_refuses_one_byte_pages_without_their_scales():
     with pytest.raises(AssertionError, match="need k_scale and v_scale"):
         launch.paged_decode_attention(q, pool.k, pool.v, pool.table, pool.lens, 0.125)
 
-
-def test_fp8_pages_read_by_moving_bits_agree_with_the_conversion_path():
-    # fast_cvt (the default for e4m3 pages and bf16 queries) puts every e4m3 code into bf16 as
-    # its value times 2**-120 and folds the powers of two into q, the scores, P and the output;
-    # the conversion path casts the codes. Smoothed, rotated, split and unsplit, one sequence
-    # with every finite e4m3 code in its pages: the two read the same values.
-    gen = torch.Generator().manual_seed(17)
-    lens = [1, 37, 254]
-    pool = Pool("fp8", 128, lens, gen, smooth=True)
-    codes = torch.arange(256, dtype=torch.uint8)
-    codes = codes[(codes & 0x7F) != 0x7F]  # 254 finite codes (0x7f / 0xff are NaN)
-    for pages, part in zip(pool.table[2, :16].tolist(), codes.split(PAGE), strict=False):
-        pool.k[0, pages, : part.numel(), :] = part.to(DEVICE)[:, None]
-        pool.v[1, pages, : part.numel(), :] = part.to(DEVICE)[:, None]
-    q = torch.randn(len(lens), KV_HEADS * 4, 128, generator=gen).to(DEVICE, torch.bfloat16)
-    want = ref_paged_decode_attention(q.float(), pool.k, pool.v, pool.table, pool.lens, 0.1,
-                                      **pool.args())
-    for splits in (1, 4):
-        default = launch.paged_decode_attention(q, pool.k, pool.v, pool.table, pool.lens, 0.1,
-                                                **pool.args(), num_splits=splits)
-        fast = launch.paged_attention(
-            q, pool.k, pool.v, pool.table, pool.lens,
-            torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE), 0.1, **pool.args(),
-            num_splits=splits, max_seqlen_q=1, fast_cvt=True)
-        slow = launch.paged_attention(
-            q, pool.k, pool.v, pool.table, pool.lens,
-            torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE), 0.1, **pool.args(),
-            num_splits=splits, max_seqlen_q=1, fast_cvt=False)
-        assert torch.equal(default, fast)  # the default is the fast path
-        assert_close(fast, want)
-        assert_close(slow, want)
-        assert (fast.float() - slow.float()).abs().max() <= 2e-2 * want.abs().max()
-    with pytest.raises(AssertionError, match="fast_cvt is for e4m3 pages"):
-        launch.paged_attention(q.float(), pool.k, pool.v, pool.table, pool.lens,
-                               torch.arange(4, dtype=torch.int32, device=DEVICE), 0.1,
-                               **pool.args(), fast_cvt=True)

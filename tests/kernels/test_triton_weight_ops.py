@@ -132,7 +132,9 @@ def test_fused_moe_adapter_runs_w8a8_block_fp8_experts_as_the_twin_does(dtype):
     activation quantizer; the twin rounds the same inputs (a code may flip where the SwiGLU
     activation, summed in another order, sits at a rounding tie: 1e-3 of the largest output;
     bf16: the interpreter truncates fp32 -> bf16 at each of the three stores, the activation,
-    the weighted rows and the sum, 2**-5). The flag is not ignored: W8A16 is further away."""
+    the weighted rows and the sum, 2**-5; fp32 on a GPU, whose fp8 tensor cores accumulate
+    with fewer bits than fp32: 2e-2, measured 4.7e-3 on an H200). The flag is not ignored:
+    W8A16 is further away."""
     gen = torch.Generator().manual_seed(11)
     (w13, s13, _), (w2, s2, _) = _experts("fp8-block", gen, e=4, hidden=192, inter=96)
     x = torch.randn(9, 192, generator=gen).to(dtype)
@@ -144,7 +146,8 @@ def test_fused_moe_adapter_runs_w8a8_block_fp8_experts_as_the_twin_does(dtype):
     want = twin_ops().fused_moe(x, *args, fp8_activations=True)
     w8a16 = twin_ops().fused_moe(x, *args)
     assert got.dtype == want.dtype == dtype
-    bound = (2**-5 if dtype == torch.bfloat16 else 1e-3) * float(want.float().abs().max())
+    rel = 2**-5 if dtype == torch.bfloat16 else 2e-2 if NATIVE else 1e-3
+    bound = rel * float(want.float().abs().max())
     err = float((got.float() - want.float()).abs().max())
     assert err <= bound, f"max |err| {err:.3g} > {bound:.3g}"
     assert float((w8a16.float() - want.float()).abs().max()) > 2 * max(err, 1e-6)

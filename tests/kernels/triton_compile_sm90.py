@@ -39,10 +39,10 @@ def attention(fmt: str, q: str, split: bool, group: int, dim: int, block_m: int,
     # the 1-byte formats with their rotation and smoothing fused (queries in, output out)
     _build(paged_attention.paged_attention_kernel, sig, dict(
         GROUP=group, HEAD_DIM=dim, BLOCK_D=dim, PAGE_SIZE=16, BLOCK_M=block_m,
-        BLOCK_Q=block_m // group, TILE_N=64 if quant else 32, KV_QUANT=quant, HAS_VALID=True,
+        BLOCK_Q=block_m // group, TILE_N=(128 if quant else 64) if block_m == 16 else
+        (64 if quant else 32), KV_QUANT=quant, HAS_VALID=True,
         SPLIT=split, DOT_F32=dot_f32, ROTATE=quant != 0, Q_SCALE=quant != 0,
-        O_SCALE=quant != 0, LOG2_D=dim.bit_length() - 1,
-        FAST_CVT=quant == 1 and q == "*bf16"), 4)
+        O_SCALE=quant != 0, LOG2_D=dim.bit_length() - 1), 4)
 
 
 def main() -> int:
