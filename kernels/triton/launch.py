@@ -55,7 +55,7 @@ def decode_tile_n(one_byte_pages: bool) -> int:
     """Keys a decode program reads per inner step: 128 for 1-byte pages, 64 for 2-byte ones
     (16 KiB of K and V either way). Measured on an H200 (ops/bench/RESULTS.md, GPU check):
     64 x 8192 tokens of Llama-8B-shaped attention, bf16 at 97% of the copy bandwidth against
-    73% with 32 keys, fp8 47% against 31% with 64; 8 warps or a third stage was slower."""
+    73% with 32 keys, fp8 47% against 31% with 64; 8 warps or a third stage was no faster."""
     return 128 if one_byte_pages else 64
 
 

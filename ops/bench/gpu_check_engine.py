@@ -202,7 +202,9 @@ def host_profile(engine, sizes: Sizes, batch: int, top: int = 18) -> None:
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
     print(f"\nhost profile, batch {batch}, FP8 KV, graphs and tags on (a profiled step: "
           f"{run.step_s * 1e3:.2f} ms median; prefill and {sizes.steps + 2} decode steps):")
-    print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))
+    print("\n".join(line.strip() if "function calls" in line else line
+                    for line in out.getvalue().splitlines() if line.strip()
+                    and not line.strip().startswith(("Ordered by", "List reduced"))))
 
 
 def main(argv: list[str] | None = None) -> int:
