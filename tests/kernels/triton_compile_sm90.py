@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -18,10 +19,15 @@ TARGET = GPUTarget("cuda", 90, 32)
 PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8": "*u8", "int8": "*i8"}
 
 
-def _build(fn, signature: dict[str, str], constexprs: dict[str, object], warps: int) -> None:
+def _build(fn, signature: dict[str, str], constexprs: dict[str, object], warps: int) -> Any:
+    """Compiled as a launch with 16-aligned pointers and strides divisible by 16 would be
+    (triton specializes such arguments; without the hints the page loads compile scalar and
+    unpipelined, which no launch sees)."""
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
-    src = ASTSource(fn, signature=sig, constexprs=constexprs)
-    compile(src, target=TARGET, options={"num_warps": warps})
+    aligned = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
+               if v.startswith("*") or k.startswith("stride_")}
+    src = ASTSource(fn, signature=sig, constexprs=constexprs, attrs=aligned)
+    return compile(src, target=TARGET, options={"num_warps": warps})
 
 
 def attention(fmt: str, q: str, split: bool, group: int, dim: int, block_m: int,
@@ -37,12 +43,13 @@ def attention(fmt: str, q: str, split: bool, group: int, dim: int, block_m: int,
            "qs_ptr": "*fp32", "os_ptr": "*fp32", "sm_scale": "fp32", "inv_sqrt_dim": "fp32",
            **{n: "i64" if n in ("stride_kh", "stride_vh") else "i32" for n in ints}}
     # the 1-byte formats with their rotation and smoothing fused (queries in, output out)
-    _build(paged_attention.paged_attention_kernel, sig, dict(
+    kernel = _build(paged_attention.paged_attention_kernel, sig, dict(
         GROUP=group, HEAD_DIM=dim, BLOCK_D=dim, PAGE_SIZE=16, BLOCK_M=block_m,
         BLOCK_Q=block_m // group, TILE_N=(128 if quant else 64) if block_m == 16 else
         (64 if quant else 32), KV_QUANT=quant, HAS_VALID=True,
         SPLIT=split, DOT_F32=dot_f32, ROTATE=quant != 0, Q_SCALE=quant != 0,
         O_SCALE=quant != 0, LOG2_D=dim.bit_length() - 1), 4)
+    assert "cp.async" in kernel.asm["ptx"], ("page loads not pipelined", fmt, q, split)
 
 
 def main() -> int:
