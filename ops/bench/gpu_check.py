@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.extras import require_extra
+
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16  # Llama-3.1-8B attention, one layer
 
 
@@ -38,12 +40,14 @@ FULL = Sizes(2 << 30, 8192, (32, 64), (4096, 8192), (64, 4096), 64, 8192, 20)
 TINY = Sizes(1 << 20, 128, (2,), (48,), (8,), 4, 64, 2)
 
 
-def check_device(name: str, description: str | None,
-                 argv: list[str] | None) -> tuple[argparse.Namespace, torch.device] | None:
-    """A GPU check's start: its `--tiny` flag parsed, and the device it measures (CUDA, or the
-    CPU with Triton's interpreter for `--tiny`); None, said on stderr, where neither applies.
-    Call it before importing any Triton kernel module: TRITON_INTERPRET is read at import."""
-    parser = argparse.ArgumentParser(description=description)
+def check_device(name: str, description: str | None, argv: list[str] | None,
+                 parser: argparse.ArgumentParser | None = None,
+                 ) -> tuple[argparse.Namespace, torch.device] | None:
+    """A GPU check's start: its `--tiny` flag (added to `parser`, with the check's own flags)
+    parsed, and the device it measures (CUDA, or the CPU with Triton's interpreter for
+    `--tiny`); None, said on stderr, where neither applies. Call it before importing any Triton
+    kernel module: TRITON_INTERPRET is read at import."""
+    parser = parser or argparse.ArgumentParser(description=description)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter check)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -51,6 +55,7 @@ def check_device(name: str, description: str | None,
         print(f"{name}: no CUDA device; nothing measured (--tiny runs the interpreter)",
               file=sys.stderr)
         return None
+    require_extra("cuda", "triton", what=name)
     if not cuda and "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return args, torch.device("cuda" if cuda else "cpu")
@@ -138,7 +143,7 @@ def time_decode(timer: Timer, launch, fmt: str, batch: int, context: int,
     if splits > 1:
         work = (torch.empty(batch, HEADS, splits, DIM, device=device),
                 torch.empty(batch, HEADS, splits, device=device))
-    # hadamard off: the timed kernel is the attention itself (rotation is two small torch ops)
+    # hadamard and smoothing off: their prologue and epilogue are a fixed cost per program
     return timer(lambda: launch.paged_attention(q, k, v, table, lens, cu, DIM**-0.5, ks, vs,
                                                 num_splits=splits, out=out, workspace=work,
                                                 max_seqlen_q=1, **config))
@@ -196,13 +201,14 @@ def sweep(timer: Timer, launch, sizes: Sizes, bw: float, sms: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter check)")
     parser.add_argument("--sweep", action="store_true",
                         help="only the decode attention launch configs (tuning)")
-    args = parser.parse_args(argv)
+    checked = check_device("gpu_check", __doc__, argv, parser)
+    if checked is None:
+        return 2
+    args, device = checked
     from kernels.triton import launch
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = TINY if args.tiny else FULL
     timer = Timer(device, sizes.repeats)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"

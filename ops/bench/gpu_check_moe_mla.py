@@ -10,7 +10,6 @@ flushed (gpu_check.Timer).
 
 from __future__ import annotations
 
-import argparse
 import time
 from functools import partial
 
@@ -105,10 +104,12 @@ def mla_table(timer: Timer, sizes: dict, bw: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (interpreter check)")
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from ops.bench.gpu_check import check_device
+
+    checked = check_device("gpu_check_moe_mla", __doc__, argv)
+    if checked is None:
+        return 2
+    args, device = checked
     timer = Timer(device, 2 if args.tiny else 20)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"## GPU check, MoE and MLA: {device}, {stamp}")

@@ -14,9 +14,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 from kernels.triton import paged_attention, store_kv, verify_pages
+from ops.bench.sass_mix import compile_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
-PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8": "*u8", "int8": "*i8"}
 
 
 def _build(fn, signature: dict[str, str], constexprs: dict[str, object], warps: int) -> Any:
@@ -32,23 +32,8 @@ def _build(fn, signature: dict[str, str], constexprs: dict[str, object], warps: 
 
 def attention(fmt: str, q: str, split: bool, group: int, dim: int, block_m: int,
               dot_f32: bool = False) -> None:
-    kv = PTR[fmt]
-    quant = {"fp8": 1, "int8": 2}.get(fmt, 0)
-    ints = ["num_seqs", "num_heads", "stride_qt", "stride_qh", "stride_kh", "stride_kp",
-            "stride_ko", "stride_vh", "stride_vp", "stride_vo", "stride_sh", "stride_sp",
-            "stride_bt", "stride_ot", "stride_oh", "stride_os"]
-    sig = {"out_ptr": "*fp32" if split else q, "lse_ptr": "*fp32", "q_ptr": q, "k_ptr": kv,
-           "v_ptr": kv, "ks_ptr": "*bf16", "vs_ptr": "*bf16", "block_table_ptr": "*i64",
-           "seq_lens_ptr": "*i64", "cu_q_ptr": "*i32", "valid_ptr": "*i32",
-           "qs_ptr": "*fp32", "os_ptr": "*fp32", "sm_scale": "fp32", "inv_sqrt_dim": "fp32",
-           **{n: "i64" if n in ("stride_kh", "stride_vh") else "i32" for n in ints}}
     # the 1-byte formats with their rotation and smoothing fused (queries in, output out)
-    kernel = _build(paged_attention.paged_attention_kernel, sig, dict(
-        GROUP=group, HEAD_DIM=dim, BLOCK_D=dim, PAGE_SIZE=16, BLOCK_M=block_m,
-        BLOCK_Q=block_m // group, TILE_N=(128 if quant else 64) if block_m == 16 else
-        (64 if quant else 32), KV_QUANT=quant, HAS_VALID=True,
-        SPLIT=split, DOT_F32=dot_f32, ROTATE=quant != 0, Q_SCALE=quant != 0,
-        O_SCALE=quant != 0, LOG2_D=dim.bit_length() - 1), 4)
+    kernel = compile_attention(fmt, q, split, group, dim, block_m, dot_f32)
     assert "cp.async" in kernel.asm["ptx"], ("page loads not pipelined", fmt, q, split)
 
 
