@@ -168,7 +168,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             wreq.split_special_tokens = request.split_special_tokens
             return wreq, prefix
 
-        async for resp in self._relay(request.model, build, context):
+        async for resp in self._stream(request.model, build, context):
             yield resp
 
     async def Chat(self, request: pb.ChatRequest,
@@ -181,8 +181,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prefix = "".join(f"{m.role}:{m.content}" for m in request.messages)[:PREFIX_CHARS]
             return wreq, prefix
 
-        async for resp in self._relay(request.model, build, context):
+        async for resp in self._stream(request.model, build, context):
             yield resp
+
+    async def _stream(self, model: str,
+                      build: Callable[[], tuple[wpb.WorkerGenerateRequest, str]],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        """`_relay`, closed as soon as this handler's generator is: grpc leaves a handler it
+        cancels suspended at its `yield`, and without the close `_relay` (suspended at its own)
+        would end only when collected, its slots held until then."""
+        async with contextlib.aclosing(self._relay(model, build, context)) as stream:
+            async for resp in stream:
+                yield resp
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
@@ -260,7 +270,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             reason = e.reason
             bound.info("request failed", reason=e.reason, error=e.message)
             await context.abort_with_status(to_status(e))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # GeneratorExit: closed while suspended at a `yield` (the client left between
+            # two responses): as much a cancel as a CancelledError inside an await
             reason = _cancel_reason(context)
             raise
         except Exception as e:  # never leak a traceback to the client

@@ -208,6 +208,48 @@ def test_leaving_a_stream_context_early_cancels_the_request(two_workers) -> None
         assert list(c.generate("Hi", max_tokens=2))  # and the next request is served
 
 
+class _OpenContext:
+    """What the handler asks of grpc's ServicerContext for a call that is still open."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.key}"),)
+
+    def time_remaining(self) -> float:
+        return 60.0
+
+    async def abort_with_status(self, status: object) -> None:
+        raise AssertionError(f"the call was not to fail: {status}")
+
+
+def test_a_stream_closed_between_two_responses_is_cancelled_and_frees_the_request(
+        two_workers) -> None:
+    # grpc closes a handler whose client left while it was suspended at a `yield` (aclose,
+    # GeneratorExit), rather than cancelling it inside an await: the request must still be
+    # counted CANCELLED, never OK, and its worker request aborted at once, not when collected.
+    from gateway._proto.tessera.v1 import gateway_pb2 as pb
+    from gateway.grpc_server import GatewayServicer
+
+    before = {r: requests_total(r) for r in ("OK", "CANCELLED")}
+    servicer = GatewayServicer(two_workers.gateway)
+    request = pb.GenerateRequest(model=MODEL, prompt="Count:",
+                                 sampling=pb.SamplingOptions(max_tokens=600, ignore_eos=True))
+
+    async def leave_after_two() -> None:
+        stream = servicer.Generate(request, _OpenContext(KEYS["acme"]))
+        await anext(stream)
+        await anext(stream)
+        await stream.aclose()
+
+    two_workers.call(leave_after_two())
+    wait_for(lambda: requests_total("CANCELLED") == before["CANCELLED"] + 1, 10,
+             "the gateway to count the request CANCELLED")
+    assert requests_total("OK") == before["OK"]
+    wait_for(lambda: requests_drained(two_workers), 30, "the worker to abort the request")
+
+
 def test_a_zero_timeout_is_a_passed_deadline_not_none(two_workers) -> None:
     with client_for(two_workers, timeout_s=60) as c:
         expect(DeadlineExceeded, c.generate("Hi", max_tokens=2, timeout_s=0))
